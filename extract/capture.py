@@ -1,0 +1,156 @@
+"""Forward hooks that capture (and optionally edit) named layers: the heart of ``extract``.
+
+Style after baukit's ``Trace``: one context manager, behaviour chosen by keyword arguments,
+hooks removed on any exit, and stopping the forward early is an exception the context swallows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ExtractError
+from .layers import LayerRef, closest, resolve_layers, select
+from .pooling import Pool, PoolShapeError
+
+Sink = Callable[[str, torch.Tensor], None]
+Edit = Callable[[torch.Tensor], Any]
+
+
+class StopForward(Exception):
+    """Raised once every requested layer has fired; ``Capture`` swallows it."""
+
+
+class Capture:
+    """Capture the outputs of ``layers`` of ``model`` in its forward passes.
+
+    Example::
+
+        with Capture(model, ["layer3", "layer4"]) as cap:
+            model(x)
+        cap.outputs["layer3"]
+
+    Args:
+        layers: names, globs (``layer*``) or ``name:0`` / ``name:key`` selectors, or resolved ``LayerRef``s.
+        reduce: applied to each detached output before it is kept (a ``--pool`` reduction).
+        stop: raise ``StopForward`` once every layer has fired, skipping the rest of the forward;
+            the ``with`` block and ``forward()`` swallow it.
+        edit: module name -> function of the module's output. A returned value replaces the output,
+            ``None`` keeps the (possibly in-place modified) output; downstream modules and captures
+            of that module see the edit.
+        sink: called as ``sink(layer, tensor)`` instead of keeping a clone in ``outputs``; the tensor
+            may be changed in place later in the forward, so the sink must copy it before returning
+            or order its copy before any later work (as ``HostStaging.stage`` does).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[str | LayerRef],
+        *,
+        reduce: Pool | None = None,
+        stop: bool = False,
+        edit: Mapping[str, Edit] | None = None,
+        sink: Sink | None = None,
+    ) -> None:
+        self.model = model
+        patterns = [layer for layer in layers if isinstance(layer, str)]
+        self.refs = [layer for layer in layers if isinstance(layer, LayerRef)]
+        if patterns:
+            self.refs += resolve_layers(model, patterns)
+        self.reduce = reduce
+        self.stop = stop
+        self.edit = dict(edit or {})
+        self.sink = sink
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.calls: Counter[str] = Counter()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> Capture:
+        modules = dict(self.model.named_modules())
+        for name in self.edit:
+            if name not in modules:
+                raise ExtractError(
+                    f"edit names module '{name}', which does not exist; closest: {closest(name, list(modules))}"
+                )
+        by_module: dict[str, list[LayerRef]] = {}
+        for ref in self.refs:
+            by_module.setdefault(ref.module, []).append(ref)
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(self._new_forward))
+            for name in dict.fromkeys([*by_module, *self.edit]):
+                hook = self._make_hook(name, by_module.get(name, []), self.edit.get(name))
+                self._handles.append(modules[name].register_forward_hook(hook))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
+        self.remove()
+        return exc_type is not None and issubclass(exc_type, StopForward)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __getitem__(self, layer: str) -> torch.Tensor:
+        return self.outputs[layer]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model; returns its output, or ``None`` when the capture stopped it early."""
+        try:
+            return self.model(*args, **kwargs)
+        except StopForward:
+            return None
+
+    def missing(self) -> list[str]:
+        """Layers that did not fire in the last forward."""
+        return [ref.name for ref in self.refs if self.calls[ref.module] == 0]
+
+    def _new_forward(self, module: nn.Module, args: Any) -> None:
+        self.calls.clear()
+
+    def _make_hook(self, name: str, refs: list[LayerRef], edit: Edit | None) -> Callable[..., Any]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
+            self.calls[name] += 1
+            if refs and self.calls[name] > 1:
+                parent = name.rpartition(".")[0] or "a module that runs once"
+                raise ExtractError(
+                    f"layer '{name}' ran {self.calls[name]} times in one forward (a shared module); "
+                    f"capture a module that runs once, e.g. '{parent}'"
+                )
+            replaced = None
+            if edit is not None:
+                replaced = edit(output)
+                if replaced is not None:
+                    output = replaced
+            for ref in refs:
+                self._keep(ref, select(output, ref))
+            if self.stop and refs and not self.missing():
+                raise StopForward
+            return replaced
+
+        return hook
+
+    def _keep(self, ref: LayerRef, value: torch.Tensor) -> None:
+        value = value.detach()
+        if self.reduce is not None:
+            try:
+                value = self.reduce(value)
+            except PoolShapeError as e:
+                raise e.for_layer(ref.name) from None
+        if self.sink is not None:
+            self.sink(ref.name, value)
+        else:
+            self.outputs[ref.name] = value.clone()
+
+
+def capture(model: nn.Module, layers: Sequence[str | LayerRef], **options: Any) -> Capture:
+    """``with capture(model, ["layer3"]) as cap: model(x)``; see ``Capture`` for the options."""
+    return Capture(model, layers, **options)

@@ -1,0 +1,108 @@
+"""The command line: flags (optionally from a TOML job file) → ``JobSpec`` → ``run``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .errors import ExtractError
+from .pooling import POOL_CHOICES
+from .spec import DTYPES, PRECISIONS, JobSpec
+from .store import COMPRESSORS
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ExtractError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="extract",
+        description="Capture layer activations of a PyTorch model over a dataset into a chunked zarr store.",
+        epilog="Multi-process: accelerate launch [--multi_gpu --num_processes N] -m extract ...",
+    )
+    p.add_argument("--config", metavar="TOML", help="take options from a TOML job file; flags override it")
+    p.add_argument("--model", help="torchvision model name, or pkg.module:factory / file.py:factory (default resnet50)")
+    p.add_argument("--weights", help="torchvision weights name, DEFAULT, or none (random init; default DEFAULT)")
+    p.add_argument("--checkpoint", metavar="PATH", help="state_dict file loaded with weights_only=True")
+    p.add_argument("--seed", type=int, help="seed for random init (--weights none; default 0)")
+    p.add_argument("--layers", nargs="+", metavar="L", help="module names, globs (layer*), or name:0 / name:key")
+    p.add_argument("--list-layers", action="store_true", help="print every module with its output shape, then exit")
+    p.add_argument(
+        "--data", metavar="SPEC", help="imagefolder:PATH | filelist:FILE | torchvision:NAME:ROOT[:split] | synthetic:N"
+    )
+    p.add_argument("--out", metavar="PATH", help="the zarr store to write (default features.zarr)")
+    p.add_argument("--batch-size", type=int, help="images per forward (default 64)")
+    p.add_argument("--num-workers", type=int, help="DataLoader workers per process")
+    p.add_argument("--image-size", type=int, metavar="S", help="crop size S (resize round(S*256/224))")
+    p.add_argument("--pool", metavar="P", help=f"{' | '.join(POOL_CHOICES)} (default none: the full map)")
+    p.add_argument("--dtype", help=f"storage dtype: {' | '.join(DTYPES)} (default float16)")
+    p.add_argument(
+        "--precision", help=f"compute precision: {' | '.join(PRECISIONS)} (default fp32 on CPU, bf16 on CUDA)"
+    )
+    p.add_argument("--chunk-size", type=int, help="samples per chunk (default: about 16 MiB per chunk)")
+    p.add_argument("--compressor", help=f"{' | '.join(COMPRESSORS)} (default zstd)")
+    p.add_argument("--writer-threads", type=int, help="threads encoding and writing chunks (default 2)")
+    p.add_argument("--channels-last", action="store_true", default=None, help="run the model in channels_last")
+    p.add_argument(
+        "--no-truncate",
+        dest="truncate",
+        action="store_false",
+        default=None,
+        help="run the whole forward even after the last requested layer",
+    )
+    p.add_argument("--overwrite", action="store_true", default=None, help="replace a store of a different job")
+    return p
+
+
+def _from_config(path: str) -> dict[str, Any]:
+    try:
+        table = tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ExtractError(f"--config {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ExtractError(f"--config {path} is not valid TOML: {e}") from None
+    known = set(JobSpec.field_names())
+    options = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ExtractError(f"--config {path}: unknown key '{key}'; known keys: {', '.join(sorted(known))}")
+        options[name] = value
+    if isinstance(options.get("layers"), str):
+        options["layers"] = [options["layers"]]
+    return options
+
+
+def parse_spec(argv: Sequence[str]) -> tuple[JobSpec, bool]:
+    """The job the arguments describe, and whether only ``--list-layers`` was asked for."""
+    args = build_parser().parse_args(argv)
+    options = _from_config(args.config) if args.config else {}
+    options.update({k: v for k, v in vars(args).items() if v is not None and k not in ("config", "list_layers")})
+    try:
+        spec = JobSpec(**options)
+    except TypeError as e:
+        raise ExtractError(str(e)) from None
+    if not args.list_layers and not spec.layers:
+        raise ExtractError("--layers is required (or --list-layers to see the names)")
+    return spec, args.list_layers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .runner import print_layers, run
+
+    try:
+        spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)
+        if only_list:
+            print_layers(spec)
+        else:
+            run(spec)
+    except ExtractError as e:
+        print(f"extract: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,261 @@
+"""One extraction job, top to bottom: spec → model/data → layers → store → loop → finish."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .capture import Capture, Edit
+from .data import build_dataset
+from .dist import process_state
+from .errors import ExtractError
+from .layers import LayerRef, list_layers, resolve_layers
+from .models import build_model, library_versions
+from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
+from .pooling import Pool, make_pool
+from .progress import JobProgress
+from .spec import JobSpec, fingerprint
+from .staging import HostStaging
+from .store import FeatureStore, check_out_path, codecs
+from .writer import ChunkWriter
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Summary:
+    samples: int
+    seconds: float
+    chunks_written: int
+    chunks_reused: int
+    bytes_stored: int
+    raw_bytes: int
+
+    @property
+    def images_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.bytes_stored if self.bytes_stored else 0.0
+
+    def line(self) -> str:
+        return (
+            f"extract: {self.samples} samples in {self.seconds:.1f} s ({self.images_per_second:.1f} img/s); "
+            f"{self.chunks_written} chunks written, {self.chunks_reused} reused; "
+            f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x"
+        )
+
+
+def probe_shapes(
+    model: nn.Module, refs: list[LayerRef], pool: Pool | None, example: torch.Tensor, autocast: Any
+) -> dict[str, tuple[int, ...]]:
+    """Run one batch through the capture to validate the layers (each runs exactly once, the pooling
+    fits) and learn each stored feature's shape, before anything is written."""
+    with Capture(model, refs, reduce=pool) as cap, torch.inference_mode(), autocast:
+        model(example)
+    if missing := cap.missing():
+        raise ExtractError(
+            f"layer {', '.join(repr(m) for m in missing)} never ran in the forward; pick layers that run"
+        )
+    return {name: tuple(value.shape[1:]) for name, value in cap.outputs.items()}
+
+
+def _autocast(device: torch.device, precision: str) -> Any:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST[precision])
+
+
+def _default_workers(local_processes: int) -> int:
+    return min(8, (os.cpu_count() or 1) // max(1, local_processes))
+
+
+def print_layers(spec: JobSpec, out: Callable[[str], None] = print) -> None:
+    loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
+    rows = list_layers(loaded.model, torch.zeros(1, 3, loaded.input_size, loaded.input_size))
+    width = max(len(name) for name, _, _ in rows)
+    cls_width = max(len(cls) for _, cls, _ in rows)
+    for name, cls, shape in rows:
+        out(f"{name:<{width}}  {cls:<{cls_width}}  {shape}")
+
+
+def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[[str], None] | None = None) -> Summary:
+    """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    spec.validate()
+    out = Path(spec.out)
+    existing = check_out_path(out)
+    state = process_state()
+    device = state.device
+    main = state.is_main_process
+    precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
+    autocast = _autocast(device, precision)
+    codecs(spec.compressor)
+
+    loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
+    memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
+    model = loaded.model.to(device, memory_format=memory_format)
+    dataset = build_dataset(spec.data, loaded.preprocess, loaded.input_size)
+    if main and spec.data.startswith("synthetic:"):
+        log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
+    refs = resolve_layers(model, spec.layers)
+    pool = make_pool(spec.pool)
+    example = torch.zeros(1, 3, loaded.input_size, loaded.input_size, device=device).to(memory_format=memory_format)
+    shapes = probe_shapes(model, refs, pool, example, autocast)
+
+    num_samples = len(dataset)
+    itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
+    sample_bytes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
+    plan = Plan(num_samples, spec.chunk_size or default_chunk_size(num_samples, max(sample_bytes.values())))
+    identity = {
+        "model": spec.model,
+        "weights": loaded.weights,
+        "checkpoint_sha256": loaded.checkpoint_sha256,
+        "layers": [ref.name for ref in refs],
+        "data": spec.data,
+        "num_samples": num_samples,
+        "pool": spec.pool,
+        "dtype": spec.dtype,
+        "precision": precision,
+        "chunk_size": plan.chunk_size,
+        "compressor": spec.compressor,
+        "preprocessing": repr(loaded.preprocess),
+    }
+    job_fingerprint = fingerprint(identity)
+
+    resume = False
+    if existing is not None:
+        if existing.get("fingerprint") == job_fingerprint:
+            resume = True
+            if existing.get("status") == "complete":
+                if main:
+                    log(f"extract: {out} is already complete for this job; nothing to do")
+                return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
+        elif not spec.overwrite:
+            before = existing.get("identity", {})
+            differs = [key for key in identity if before.get(key) != identity[key]] or ["fingerprint"]
+            raise ExtractError(
+                f"--out {out} holds a different job (differs in: {', '.join(differs)}); "
+                "pass --overwrite to replace it, or choose another --out"
+            )
+
+    if main and not resume:
+        FeatureStore.create(
+            out,
+            shapes=shapes,
+            num_samples=num_samples,
+            chunk_size=plan.chunk_size,
+            dtype=spec.dtype,
+            compressor=spec.compressor,
+            overwrite=spec.overwrite,
+            attrs={
+                "status": "running",
+                "fingerprint": job_fingerprint,
+                "identity": identity,
+                "job": spec.to_dict(),
+                "model": spec.model,
+                "weights": loaded.weights,
+                "layers": list(shapes),
+                "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
+                "preprocessing": repr(loaded.preprocess),
+                "dataset": spec.data,
+                "num_samples": num_samples,
+                "chunk_size": plan.chunk_size,
+                "dtype": spec.dtype,
+                "precision": precision,
+                "pool": spec.pool,
+                "versions": library_versions(),
+                "runs": [],
+            },
+        )
+    state.wait_for_everyone()
+    store = FeatureStore.open(out)
+    pending = store.pending_chunks()
+    shares = assign(pending, state.num_processes)
+    mine = shares[state.process_index]
+    hostnames = gather_object([socket.gethostname()])
+    started = time.time()
+    if main:
+        run_record = {
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "world_size": state.num_processes,
+            "chunks_per_rank": [len(share) for share in shares],
+            "hostnames": hostnames,
+            "seconds": None,
+            "status": "running",
+        }
+        store.update_attrs(runs=[*store.attrs.get("runs", []), run_record])
+        if resume:
+            log(f"extract: resuming {out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done")
+
+    loader = DataLoader(
+        dataset,
+        batch_sampler=ChunkBatchSampler(plan, mine, spec.batch_size),
+        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(state.num_processes),
+        pin_memory=device.type == "cuda",
+    )
+    staging = HostStaging(shapes, spec.batch_size, getattr(torch, spec.dtype), device)
+    writer = ChunkWriter(store, staging, plan, shapes, threads=spec.writer_threads)
+    progress = JobProgress(out, plan, pending, enabled=main)
+    try:
+        with (
+            Capture(model, refs, reduce=pool, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
+            torch.inference_mode(),
+            autocast,
+        ):
+            for images, labels, indices in loader:
+                slot = staging.acquire(writer.check)
+                cap.forward(images.to(device, non_blocking=True, memory_format=memory_format))
+                staging.seal(slot)
+                writer.submit(slot, indices, labels)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        progress.close()
+
+    state.wait_for_everyone()
+    seconds = time.time() - started
+    summary = Summary(
+        samples=plan.samples_in(pending),
+        seconds=seconds,
+        chunks_written=len(pending),
+        chunks_reused=plan.num_chunks - len(pending),
+        bytes_stored=0,
+        raw_bytes=num_samples * sum(sample_bytes.values()),
+    )
+    if main:
+        if left := store.pending_chunks():
+            raise ExtractError(f"chunks {left[:5]} of {out} were not written; rerun the same command to finish them")
+        runs = store.attrs["runs"]
+        runs[-1].update(seconds=round(seconds, 3), status="complete")
+        summary.bytes_stored = store.stored_bytes()
+        store.update_attrs(
+            status="complete",
+            runs=runs,
+            summary={
+                "samples": summary.samples,
+                "seconds": round(seconds, 3),
+                "images_per_second": round(summary.images_per_second, 2),
+                "bytes_stored": summary.bytes_stored,
+                "compression_ratio": round(summary.compression_ratio, 3),
+            },
+        )
+        log(summary.line())
+    return summary

@@ -1,0 +1,64 @@
+"""The job: every option of a run, validated in one place, and the identity that ties a store to it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from .errors import ExtractError
+
+DTYPES = ("float16", "float32")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class JobSpec:
+    model: str = "resnet50"
+    weights: str = "DEFAULT"
+    checkpoint: str | None = None
+    layers: list[str] = field(default_factory=list)
+    data: str = "synthetic:512"
+    out: str = "features.zarr"
+    batch_size: int = 64
+    num_workers: int | None = None
+    image_size: int | None = None
+    pool: str = "none"
+    dtype: str = "float16"
+    precision: str | None = None
+    chunk_size: int | None = None
+    compressor: str = "zstd"
+    truncate: bool = True
+    overwrite: bool = False
+    seed: int = 0
+    channels_last: bool = False
+    writer_threads: int = 2
+
+    def validate(self) -> None:
+        """Reject bad values before anything is built or written."""
+        for name in ("batch_size", "writer_threads"):
+            if getattr(self, name) < 1:
+                raise ExtractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("chunk_size", "image_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ExtractError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.num_workers is not None and self.num_workers < 0:
+            raise ExtractError(f"--num-workers must be 0 or more, got {self.num_workers}")
+        if self.dtype not in DTYPES:
+            raise ExtractError(f"unknown --dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ExtractError(f"unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """A stable hash of everything that decides the stored values and layout."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,152 @@
+"""The background writer: staged batches in, whole chunks out, ``done`` marked after each write."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .plan import Plan, chunk_segments
+from .staging import HostStaging, Slot
+from .store import FeatureStore
+
+
+class WriterError(RuntimeError):
+    """The writer failed; the run stops with the cause attached."""
+
+
+class _OpenChunk:
+    def __init__(self, plan: Plan, chunk: int, shapes: Mapping[str, tuple[int, ...]], dtype: np.dtype) -> None:
+        self.chunk = chunk
+        self.start, self.stop = plan.bounds(chunk)
+        rows = self.stop - self.start
+        self.features = {name: np.empty((rows, *shape), dtype=dtype) for name, shape in shapes.items()}
+        self.labels = np.full(rows, -1, dtype=np.int64)
+        self.filled = 0
+
+
+class ChunkWriter:
+    """Consumes ``(slot, indices, labels)`` on a thread, fills whole chunks and writes each one.
+
+    Writes (encode + store) run on ``threads`` worker threads with at most ``threads`` chunks in
+    flight, so host memory is bounded by the slot pool plus a few chunks. Any error is kept and
+    re-raised in the caller's thread by ``check()``, ``submit()`` and ``close()``.
+    """
+
+    def __init__(
+        self,
+        store: FeatureStore,
+        staging: HostStaging,
+        plan: Plan,
+        shapes: Mapping[str, tuple[int, ...]],
+        threads: int = 1,
+    ) -> None:
+        self.store, self.staging, self.plan = store, staging, plan
+        self.shapes = dict(shapes)
+        self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
+        self.threads = threads
+        self.chunks_written = 0
+        self._queue: queue.Queue[tuple[Slot, np.ndarray, np.ndarray] | None] = queue.Queue(staging.num_slots)
+        self._open: dict[int, _OpenChunk] = {}
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write")
+        self._inflight: deque[Future[None]] = deque()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="extract-writer", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise WriterError(f"writing the store failed: {self._error!r}") from self._error
+
+    def submit(self, slot: Slot, indices: torch.Tensor, labels: torch.Tensor) -> None:
+        item = (slot, indices.numpy().astype(np.int64), labels.numpy().astype(np.int64))
+        while True:
+            self.check()
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        """Wait for every submitted batch to be written; raise the writer's error if any."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+        self.check()
+        if self._open:
+            raise WriterError(f"chunks {sorted(self._open)} were never completed")
+
+    def abort(self) -> None:
+        """Stop without writing partial chunks (used when the forward loop fails)."""
+        self._error = self._error or RuntimeError("aborted")
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self.staging.release(item[0])
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                if self._error is not None:
+                    self.staging.release(item[0])
+                    continue
+                self._consume(*item)
+            while self._inflight:
+                self._finish(self._inflight.popleft())
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by check()
+            self._error = e
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            self.staging.release(item[0])
+
+    def _consume(self, slot: Slot, indices: np.ndarray, labels: np.ndarray) -> None:
+        self.staging.wait(slot)
+        try:
+            for chunk, first, end in chunk_segments(indices, self.plan.chunk_size):
+                open_chunk = self._open.get(chunk)
+                if open_chunk is None:
+                    open_chunk = self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype)
+                at = int(indices[first]) - open_chunk.start
+                rows = end - first
+                for name, buffer in slot.buffers.items():
+                    open_chunk.features[name][at : at + rows] = buffer[first:end].numpy()
+                open_chunk.labels[at : at + rows] = labels[first:end]
+                open_chunk.filled += rows
+                if open_chunk.filled == open_chunk.stop - open_chunk.start:
+                    self._write(self._open.pop(chunk))
+        finally:
+            self.staging.release(slot)
+
+    def _write(self, chunk: _OpenChunk) -> None:
+        while len(self._inflight) >= self.threads:
+            self._finish(self._inflight.popleft())
+        self._inflight.append(
+            self._pool.submit(
+                self.store.write_chunk, chunk.chunk, chunk.start, chunk.stop, chunk.features, chunk.labels
+            )
+        )
+
+    def _finish(self, write: Future[None]) -> None:
+        write.result()
+        self.chunks_written += 1
