@@ -79,6 +79,8 @@ def select(output: Any, ref: LayerRef) -> torch.Tensor:
         raise ExtractError(
             f"layer '{ref.module}' returns a {kind}, not a tensor; pick one element, e.g. '{ref.module}:{hint}'"
         )
+    if isinstance(output, torch.Tensor):
+        raise ExtractError(f"layer '{ref.module}' returns a tensor, not a tuple or dict; drop ':{ref.selector}'")
     try:
         value = output[ref.selector]
     except (IndexError, KeyError, TypeError):

@@ -72,6 +72,12 @@ def probe_shapes(
         raise ExtractError(
             f"layer {', '.join(repr(m) for m in missing)} never ran in the forward; pick layers that run"
         )
+    for name, value in cap.outputs.items():
+        if value.dim() == 0 or value.shape[0] != len(example):
+            raise ExtractError(
+                f"layer '{name}' gives shape {list(value.shape)} for a batch of {len(example)}: "
+                "its first dimension is not the batch; pick another layer"
+            )
     return {name: tuple(value.shape[1:]) for name, value in cap.outputs.items()}
 
 
@@ -110,13 +116,13 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[
     loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
     model = loaded.model.to(device, memory_format=memory_format)
+    refs = resolve_layers(model, spec.layers)
+    pool = make_pool(spec.pool)
+    example = torch.zeros(2, 3, loaded.input_size, loaded.input_size, device=device).to(memory_format=memory_format)
+    shapes = probe_shapes(model, refs, pool, example, autocast)
     dataset = build_dataset(spec.data, loaded.preprocess, loaded.input_size)
     if main and spec.data.startswith("synthetic:"):
         log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
-    refs = resolve_layers(model, spec.layers)
-    pool = make_pool(spec.pool)
-    example = torch.zeros(1, 3, loaded.input_size, loaded.input_size, device=device).to(memory_format=memory_format)
-    shapes = probe_shapes(model, refs, pool, example, autocast)
 
     num_samples = len(dataset)
     itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()

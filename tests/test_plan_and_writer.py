@@ -1,0 +1,136 @@
+"""Chunk planning, host staging and the writer, without the CLI."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from extract.plan import ChunkBatchSampler, Plan, assign, chunk_segments, default_chunk_size
+from extract.staging import HostStaging
+from extract.store import FeatureStore
+from extract.writer import ChunkWriter, WriterError
+
+
+@pytest.mark.parametrize("num_samples", [1, 2, 7, 16, 17, 33, 100])
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_every_index_lands_in_exactly_one_chunk_of_one_rank(num_samples, chunk_size, world_size):
+    plan = Plan(num_samples, chunk_size)
+    shares = assign(list(range(plan.num_chunks)), world_size)
+    assert len(shares) == world_size
+    sizes = [len(s) for s in shares]
+    assert max(sizes) - min(sizes) <= 1
+    seen = []
+    for share in shares:
+        assert share == list(range(share[0], share[0] + len(share))) if share else True  # contiguous run
+        for batch in ChunkBatchSampler(plan, share, batch_size=5):
+            assert len(batch) <= 5
+            seen.extend(batch)
+    assert sorted(seen) == list(range(num_samples))
+    assert len(seen) == num_samples
+
+
+def test_resume_assigns_only_pending_chunks():
+    plan = Plan(50, 8)
+    pending = [1, 2, 5, 6]
+    shares = assign(pending, 3)
+    assert shares == [[1, 2], [5], [6]]
+    assert sum(len(b) for b in ChunkBatchSampler(plan, shares[2], 4)) == 2  # chunk 6 is the short last one
+
+
+def test_chunk_segments():
+    indices = np.array([6, 7, 8, 9, 10, 16])
+    assert list(chunk_segments(indices, 4)) == [(1, 0, 2), (2, 2, 5), (4, 5, 6)]
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(10_000, 1024 * 14 * 14 * 2) == 32  # resnet50 layer3 float16: ~12.5 MiB chunks
+    assert default_chunk_size(10_000, 2048 * 2) == 1024  # pooled features: capped
+    assert default_chunk_size(5, 100) == 5  # never more than N
+
+
+def test_staging_reuses_slots_and_blocks_when_all_are_in_use():
+    staging = HostStaging({"a": (3,)}, batch_size=4, dtype=torch.float16, device=torch.device("cpu"), slots=2)
+    first, second = staging.acquire(), staging.acquire()
+    pointers = {first.buffers["a"].data_ptr(), second.buffers["a"].data_ptr()}
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(staging.acquire()))
+    waiter.start()
+    time.sleep(0.3)
+    assert got == [], "a full pool must make the loop wait (backpressure)"
+    staging.release(first)
+    waiter.join(timeout=5)
+    assert got and got[0].buffers["a"].data_ptr() in pointers  # reused, not reallocated
+
+
+def test_staging_copies_and_casts():
+    staging = HostStaging({"a": (2,)}, batch_size=4, dtype=torch.float16, device=torch.device("cpu"), slots=1)
+    slot = staging.acquire()
+    value = torch.tensor([[1.0, -2.0], [3.5, 70000.0]])
+    staging.stage("a", value)
+    value.zero_()  # a later in-place op must not reach the slot
+    assert slot.rows == 2
+    assert slot.buffers["a"][:2].tolist() == [[1.0, -2.0], [3.5, float("inf")]]
+
+
+def test_check_propagates_acquire_errors():
+    staging = HostStaging({"a": (1,)}, batch_size=1, dtype=torch.float32, device=torch.device("cpu"), slots=1)
+    staging.acquire()
+
+    def failing():
+        raise WriterError("writer died")
+
+    with pytest.raises(WriterError):
+        staging.acquire(failing)
+
+
+def _store(tmp_path, num_samples=10, chunk_size=4):
+    return FeatureStore.create(
+        tmp_path / "s.zarr", shapes={"a": (2,)}, num_samples=num_samples, chunk_size=chunk_size,
+        dtype="float32", compressor="zstd", attrs={"layers": ["a"]},
+    )  # fmt: skip
+
+
+def _feed(writer, staging, indices):
+    for start in range(0, len(indices), 3):
+        batch = torch.tensor(indices[start : start + 3])
+        slot = staging.acquire(writer.check)
+        staging.stage("a", torch.stack([batch.float(), -batch.float()], dim=1))
+        staging.seal(slot)
+        writer.submit(slot, batch, batch % 2)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_writer_assembles_whole_chunks(tmp_path, threads):
+    store = _store(tmp_path)
+    staging = HostStaging({"a": (2,)}, 3, torch.float32, torch.device("cpu"), slots=2)
+    writer = ChunkWriter(store, staging, Plan(10, 4), {"a": (2,)}, threads=threads)
+    _feed(writer, staging, list(range(10)))
+    writer.close()
+    assert writer.chunks_written == 3
+    stored = store.array("features/a")[:]
+    np.testing.assert_array_equal(stored[:, 0], np.arange(10))
+    np.testing.assert_array_equal(stored[:, 1], -np.arange(10))
+    np.testing.assert_array_equal(store.array("labels")[:], np.arange(10) % 2)
+    assert store.array("done")[:].all()
+
+
+def test_writer_error_stops_the_run_and_marks_nothing_done(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    staging = HostStaging({"a": (2,)}, 3, torch.float32, torch.device("cpu"), slots=2)
+    writer = ChunkWriter(store, staging, Plan(10, 4), {"a": (2,)}, threads=1)
+    real = store.array("features/a")
+
+    class Broken:
+        def __setitem__(self, key, value):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(store._arrays, "features/a", Broken())
+    with pytest.raises(WriterError, match="No space left"):
+        _feed(writer, staging, list(range(10)))
+        writer.close()
+    writer.abort()
+    assert not store.array("done")[:].any()
+    assert np.isnan(real[:]).all()
