@@ -121,8 +121,6 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[
     example = torch.zeros(2, 3, loaded.input_size, loaded.input_size, device=device).to(memory_format=memory_format)
     shapes = probe_shapes(model, refs, pool, example, autocast)
     dataset = build_dataset(spec.data, loaded.preprocess, loaded.input_size)
-    if main and spec.data.startswith("synthetic:"):
-        log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
 
     num_samples = len(dataset)
     itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
@@ -144,6 +142,9 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[
     }
     job_fingerprint = fingerprint(identity)
 
+    # Every rank decides from what it saw of --out at start-up (so all decide alike and refuse alike);
+    # the barrier keeps rank 0 from replacing the store before the others have looked.
+    state.wait_for_everyone()
     resume = False
     if existing is not None:
         if existing.get("fingerprint") == job_fingerprint:
@@ -160,6 +161,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[
                 "pass --overwrite to replace it, or choose another --out"
             )
 
+    if main and spec.data.startswith("synthetic:"):
+        log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
     if main and not resume:
         FeatureStore.create(
             out,

@@ -108,10 +108,27 @@ def test_dict_output_key_selector(cli, tmp_path):
 
     images = torch.stack([SyntheticImages(5, 32, imagenet_preset(32))[i][0] for i in range(5)])
     out = tmp_path / "d.zarr"
-    code, _, err = cli("--model", f"{TINY}:dict_net", "--layers", "heads:map", "heads:pooled", "--data",
-                       "synthetic:5", "--out", out, "--image-size", "32", "--dtype", "float32", "--num-workers", "0")
+    code, _, err = cli(
+        "--model",
+        f"{TINY}:dict_net",
+        "--layers",
+        "heads:map",
+        "heads:pooled",
+        "--data",
+        "synthetic:5",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+        "--dtype",
+        "float32",
+        "--num-workers",
+        "0",
+    )
     assert code == 0, err
-    expected = reference(dict_net().eval(), images, {"heads:map": ("heads", "map"), "heads:pooled": ("heads", "pooled")})
+    expected = reference(
+        dict_net().eval(), images, {"heads:map": ("heads", "map"), "heads:pooled": ("heads", "pooled")}
+    )
     for name, value in expected.items():
         assert np.abs(read(out, name) - value).max() <= 1e-5
 
@@ -120,9 +137,26 @@ def test_truncated_equals_untruncated(cli, tmp_path):
     stores = {}
     for flag in ([], ["--no-truncate"]):
         out = tmp_path / f"t{len(flag)}.zarr"
-        code, _, err = cli("--model", "resnet18", "--weights", "none", "--layers", "layer2", "layer3.1.bn2",
-                           "--data", "synthetic:10", "--out", out, "--image-size", "32", "--batch-size", "4",
-                           "--num-workers", "0", *flag)
+        code, _, err = cli(
+            "--model",
+            "resnet18",
+            "--weights",
+            "none",
+            "--layers",
+            "layer2",
+            "layer3.1.bn2",
+            "--data",
+            "synthetic:10",
+            "--out",
+            out,
+            "--image-size",
+            "32",
+            "--batch-size",
+            "4",
+            "--num-workers",
+            "0",
+            *flag,
+        )
         assert code == 0, err
         stores[len(flag)] = out
     for layer in ("layer2", "layer3.1.bn2"):
@@ -133,9 +167,26 @@ def test_inplace_op_after_hooked_layer_does_not_corrupt_capture(cli, png_tree, t
     # resnet's bn1 is followed by ReLU(inplace=True), which overwrites bn1's output tensor.
     root, files = png_tree
     out = tmp_path / "bn1.zarr"
-    code, _, err = cli("--model", "resnet18", "--weights", "none", "--layers", "bn1", "layer1.0.bn2",
-                       "--data", f"imagefolder:{root}", "--out", out, "--image-size", "32", "--dtype", "float32",
-                       "--num-workers", "0", "--no-truncate")
+    code, _, err = cli(
+        "--model",
+        "resnet18",
+        "--weights",
+        "none",
+        "--layers",
+        "bn1",
+        "layer1.0.bn2",
+        "--data",
+        f"imagefolder:{root}",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+        "--dtype",
+        "float32",
+        "--num-workers",
+        "0",
+        "--no-truncate",
+    )
     assert code == 0, err
     expected = reference(resnet18(), load_images([f for f, _ in files], 32), {"bn1": ("bn1", None)})
     stored = read(out, "bn1")
@@ -148,9 +199,26 @@ def test_checkpoint_is_loaded(cli, tmp_path):
     checkpoint = tmp_path / "model.pt"
     torch.save({"state_dict": model.state_dict()}, checkpoint)
     out = tmp_path / "ck.zarr"
-    code, _, err = cli("--model", "resnet18", "--checkpoint", checkpoint, "--layers", "layer4", "--pool", "avg",
-                       "--data", "synthetic:4", "--out", out, "--image-size", "32", "--dtype", "float32",
-                       "--num-workers", "0")
+    code, _, err = cli(
+        "--model",
+        "resnet18",
+        "--checkpoint",
+        checkpoint,
+        "--layers",
+        "layer4",
+        "--pool",
+        "avg",
+        "--data",
+        "synthetic:4",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+        "--dtype",
+        "float32",
+        "--num-workers",
+        "0",
+    )
     assert code == 0, err
     from extract.data import SyntheticImages
     from extract.models import imagenet_preset
@@ -164,15 +232,39 @@ def test_checkpoint_is_loaded(cli, tmp_path):
 def test_checkpoint_errors(cli, tmp_path):
     wrong = tmp_path / "wrong.pt"
     torch.save({"fc.weight": torch.zeros(3, 3)}, wrong)
-    code, _, err = cli("--model", "resnet18", "--checkpoint", wrong, "--layers", "layer4", "--data", "synthetic:2",
-                       "--out", tmp_path / "w.zarr", "--image-size", "32")
+    code, _, err = cli(
+        "--model",
+        "resnet18",
+        "--checkpoint",
+        wrong,
+        "--layers",
+        "layer4",
+        "--data",
+        "synthetic:2",
+        "--out",
+        tmp_path / "w.zarr",
+        "--image-size",
+        "32",
+    )
     assert code == 2 and "does not fit this model" in err
     assert not (tmp_path / "w.zarr").exists()
 
     pickled = tmp_path / "pickled.pt"
     torch.save({"obj": argparse.Namespace(a=1)}, pickled)
-    code, _, err = cli("--model", "resnet18", "--checkpoint", pickled, "--layers", "layer4", "--data", "synthetic:2",
-                       "--out", tmp_path / "p.zarr", "--image-size", "32")
+    code, _, err = cli(
+        "--model",
+        "resnet18",
+        "--checkpoint",
+        pickled,
+        "--layers",
+        "layer4",
+        "--data",
+        "synthetic:2",
+        "--out",
+        tmp_path / "p.zarr",
+        "--image-size",
+        "32",
+    )
     assert code == 2 and "unpickling" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -188,8 +280,20 @@ def test_list_layers(cli):
 
 def test_unknown_layer_exits_2_with_suggestions_and_creates_nothing(tmp_path):
     out = tmp_path / "never.zarr"
-    result = run_cli("--model", "resnet18", "--weights", "none", "--layers", "layer5", "--data", "synthetic:4",
-                     "--out", out, "--image-size", "32")
+    result = run_cli(
+        "--model",
+        "resnet18",
+        "--weights",
+        "none",
+        "--layers",
+        "layer5",
+        "--data",
+        "synthetic:4",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
@@ -228,9 +332,25 @@ def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, message):
 
 def test_weights_download_fails_with_clear_message(tmp_path):
     out = tmp_path / "dl.zarr"
-    offline = {"TORCH_HOME": str(tmp_path / "hub"), "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
-    result = run_cli("--model", "resnet18", "--layers", "layer4", "--data", "synthetic:2", "--out", out,
-                     "--image-size", "32", env=offline, timeout=120)
+    offline = {
+        "TORCH_HOME": str(tmp_path / "hub"),
+        "https_proxy": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+    }
+    result = run_cli(
+        "--model",
+        "resnet18",
+        "--layers",
+        "layer4",
+        "--data",
+        "synthetic:2",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+        env=offline,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert "--weights none" in result.stderr and "--checkpoint" in result.stderr
@@ -239,8 +359,24 @@ def test_weights_download_fails_with_clear_message(tmp_path):
 
 def test_summary_and_attributes(cli, tmp_path):
     out = tmp_path / "s.zarr"
-    code, _, err = cli("--model", "resnet18", "--weights", "none", "--layers", "layer3", "--data", "synthetic:9",
-                       "--out", out, "--image-size", "32", "--num-workers", "0", "--chunk-size", "4")
+    code, _, err = cli(
+        "--model",
+        "resnet18",
+        "--weights",
+        "none",
+        "--layers",
+        "layer3",
+        "--data",
+        "synthetic:9",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+        "--num-workers",
+        "0",
+        "--chunk-size",
+        "4",
+    )
     assert code == 0, err
     assert "SYNTHETIC" in err
     summary = [line for line in err.splitlines() if "samples in" in line][-1]

@@ -1,0 +1,146 @@
+"""A torch ``Dataset`` over a store's layers that reads whole chunks, and a batch sampler whose shuffled
+epochs read each chunk about once, also with several DataLoader workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from .reader import Features, open_features
+
+Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
+
+
+class FeatureDataset(Dataset):
+    """``(features, label)`` per sample: a float tensor for one layer, a ``{layer: tensor}`` dict for several.
+
+    Items are served from the last chunk read (per process), so consecutive indices in one chunk cost
+    one read; pair it with ``ChunkShuffleSampler`` for shuffled epochs. ``pool`` reduces each layer as
+    ``Features.load`` does. The store is opened lazily in each process: only the path is pickled to
+    DataLoader workers, never an open zarr handle.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        layers: str | Sequence[str],
+        *,
+        pool: str | None = None,
+        dtype: str = "float32",
+        allow_partial: bool = False,
+    ) -> None:
+        self.path, self.pool, self.dtype, self.allow_partial = Path(path), pool, dtype, allow_partial
+        self.single = isinstance(layers, str)
+        self.layers = [layers] if isinstance(layers, str) else list(layers)
+        features = open_features(self.path, allow_partial=allow_partial)
+        for layer in self.layers:
+            features.array(layer)  # an unknown layer fails here, in the main process, with the valid names
+        self.num_samples, self.chunk_size = features.num_samples, features.chunk_size
+        self.labels = features.labels
+        self.chunk_reads = 0  # in this process; lets tests and benchmarks check the sampler's locality
+        self._reset()
+
+    def _reset(self) -> None:
+        self._features: Features | None = None
+        self._cached_chunk = -1
+        self._cached: dict[str, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_features=None, _cached_chunk=-1, _cached={})
+        return state
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> Sample:
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
+        index %= self.num_samples
+        chunk, row = divmod(index, self.chunk_size)
+        if chunk != self._cached_chunk:
+            self._read_chunk(chunk)
+        values = {layer: self._cached[layer][row] for layer in self.layers}
+        return (values[self.layers[0]] if self.single else values), int(self.labels[index])
+
+    def _read_chunk(self, chunk: int) -> None:
+        if self._features is None:
+            self._features = open_features(self.path, allow_partial=self.allow_partial)
+        start = chunk * self.chunk_size
+        rows = slice(start, min(start + self.chunk_size, self.num_samples))
+        self._cached_chunk = -1  # stays invalid if a read fails half-way
+        self._cached = {
+            layer: self._features.load(layer, rows, pool=self.pool, dtype=self.dtype, as_torch=True)
+            for layer in self.layers
+        }
+        self._cached_chunk = chunk
+        self.chunk_reads += 1
+
+
+class ChunkShuffleSampler(Sampler[list[int]]):
+    """Batches of a shuffled epoch that touch each chunk about once; use as ``DataLoader(batch_sampler=...)``.
+
+    The chunk order is permuted, and samples are shuffled within their chunk (the window is one chunk,
+    which is what ``FeatureDataset``'s one-chunk cache holds). With ``num_workers`` > 1 the chunks are
+    dealt to that many streams and their batches interleaved, because the DataLoader hands batch j to
+    worker j % num_workers: each worker then reads only its own chunks. Streams end unevenly, so the
+    last few batches may make a worker read a chunk another one also read.
+
+    Samples are mixed only within a chunk and across consecutive batches: if the dataset's order is
+    sorted by class (ImageFolder), a batch holds few classes.
+    The permutation depends on ``seed`` and the epoch (``set_epoch``), not on global RNG state.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        chunk_size: int,
+        batch_size: int,
+        *,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if min(num_samples, chunk_size, batch_size) < 1 or num_workers < 0:
+            raise ValueError("num_samples, chunk_size and batch_size must be positive, num_workers 0 or more")
+        self.num_samples, self.chunk_size, self.batch_size = num_samples, chunk_size, batch_size
+        self.streams = max(1, num_workers)
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _chunk_indices(self, chunk: int, rng: np.random.Generator) -> np.ndarray:
+        start = chunk * self.chunk_size
+        rows = np.arange(start, min(start + self.chunk_size, self.num_samples))
+        return rng.permutation(rows) if self.shuffle else rows
+
+    def _stream_chunks(self) -> list[np.ndarray]:
+        """The chunks of each stream, in reading order, for this epoch."""
+        rng = np.random.default_rng((self.seed, self.epoch))
+        num_chunks = -(-self.num_samples // self.chunk_size)
+        order = rng.permutation(num_chunks) if self.shuffle else np.arange(num_chunks)
+        return [order[w :: self.streams] for w in range(self.streams)]
+
+    def _stream_samples(self, chunks: np.ndarray) -> int:
+        return int(sum(min(self.chunk_size, self.num_samples - c * self.chunk_size) for c in chunks))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # Seeded by (seed, epoch) and separate from the chunk order's generator, so both are reproducible.
+        rng = np.random.default_rng((self.seed, self.epoch, 1))
+        streams = []
+        for chunks in self._stream_chunks():
+            indices = np.concatenate([self._chunk_indices(int(c), rng) for c in chunks] or [np.empty(0, np.int64)])
+            streams.append([indices[i : i + self.batch_size].tolist() for i in range(0, len(indices), self.batch_size)])
+        for step in range(max(map(len, streams))):
+            for batches in streams:
+                if step < len(batches):
+                    yield batches[step]
+
+    def __len__(self) -> int:
+        return sum(-(-self._stream_samples(chunks) // self.batch_size) for chunks in self._stream_chunks())

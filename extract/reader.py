@@ -1,0 +1,238 @@
+"""Read a store back: its layers as lazy zarr arrays or as numpy / torch, labels, job metadata, and
+which samples an unfinished job has written."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from .errors import ExtractError
+from .layers import closest
+from .pooling import PoolShapeError, make_pool
+from .store import FeatureStore
+
+Index = slice | Sequence[int] | np.ndarray | None
+
+# Rows are decoded this many bytes at a time: zarr decodes the chunks of one read concurrently, and
+# a bounded block keeps pooling and dtype conversion from ever holding a whole unpooled layer.
+READ_BLOCK_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A normalized ``index``: the sorted unique rows to read, and how to put them in the caller's order."""
+
+    start: int  # rows[start:stop] when ``sorted_rows`` is None (a contiguous range)
+    stop: int
+    sorted_rows: np.ndarray | None = None
+    inverse: np.ndarray | None = None  # output = read[inverse] when the caller's order differs
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start if self.sorted_rows is None else len(self.sorted_rows)
+
+
+def _normalize(index: Index, num_samples: int) -> _Rows:
+    if index is None:
+        return _Rows(0, num_samples)
+    if isinstance(index, slice):
+        start, stop, step = index.indices(num_samples)
+        if step == 1:
+            return _Rows(start, max(start, stop))
+        index = np.arange(start, stop, step)
+    rows = np.asarray(index)
+    if rows.dtype == bool:
+        if rows.shape != (num_samples,):
+            raise ExtractError(f"a boolean index needs shape ({num_samples},), got {rows.shape}")
+        rows = np.flatnonzero(rows)
+    if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+        raise ExtractError(
+            f"index must be None, a slice, or a 1-D list/array of ints or bools; got {rows.dtype}{list(rows.shape)}"
+        )
+    rows = rows.astype(np.int64)
+    if rows.size and (rows.min() < -num_samples or rows.max() >= num_samples):
+        raise ExtractError(f"index out of range for {num_samples} samples: min {rows.min()}, max {rows.max()}")
+    rows = np.where(rows < 0, rows + num_samples, rows)
+    if rows.size == 0 or np.all(np.diff(rows) > 0):
+        return _Rows(0, 0, rows)
+    unique, inverse = np.unique(rows, return_inverse=True)
+    return _Rows(0, 0, unique, inverse)
+
+
+def _torch_dtype(dtype: str | None, stored: np.dtype) -> torch.dtype:
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype or stored))).dtype
+    except TypeError:
+        raise ExtractError(
+            f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64)"
+        ) from None
+
+
+@dataclass
+class Features:
+    """An extract store opened for reading (see ``open_features``).
+
+    ``layers``, ``shapes`` (per-sample feature shape) and ``dtypes`` describe the stored layers;
+    ``labels`` is (N,) int64 with -1 where the dataset had none; ``attrs`` is the job's metadata;
+    ``present`` marks the samples written so far (all of them when ``complete``).
+    """
+
+    path: Path
+    store: FeatureStore = field(repr=False)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self.store.attrs
+
+    @cached_property
+    def layers(self) -> list[str]:
+        return list(self.attrs["layers"])
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {layer: tuple(self.array(layer).shape[1:]) for layer in self.layers}
+
+    @cached_property
+    def dtypes(self) -> dict[str, np.dtype]:
+        return {layer: np.dtype(self.array(layer).dtype) for layer in self.layers}
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.attrs["num_samples"])
+
+    @property
+    def chunk_size(self) -> int:
+        return int(self.attrs["chunk_size"])
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_samples // self.chunk_size)
+
+    @property
+    def complete(self) -> bool:
+        return self.attrs.get("status") == "complete"
+
+    @cached_property
+    def labels(self) -> np.ndarray:
+        return self.store.array("labels")[:]
+
+    @cached_property
+    def present(self) -> np.ndarray:
+        """(N,) bool: the samples whose chunk is marked done; use it as an ``index`` to read only those."""
+        done = self.store.array("done")[:]
+        return np.repeat(done, self.chunk_size)[: self.num_samples]
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def array(self, layer: str) -> zarr.Array:
+        """The layer's lazy zarr array, (N, *shape); unwritten samples read as NaN."""
+        if layer not in self.attrs["layers"]:
+            raise ExtractError(
+                f"{self.path} has no layer '{layer}'; it has {', '.join(self.attrs['layers'])} "
+                f"(closest: {closest(layer, list(self.attrs['layers']))})"
+            )
+        return self.store.array(f"features/{layer}")
+
+    def load(
+        self,
+        layer: str,
+        index: Index = None,
+        *,
+        pool: str | None = None,
+        dtype: str | None = "float32",
+        as_torch: bool = False,
+    ) -> np.ndarray | torch.Tensor:
+        """Read ``layer`` for the samples ``index`` picks (None: all; a slice; ints in any order, with
+        repeats; or an (N,) bool mask such as ``present``) into memory.
+
+        ``pool`` reduces each sample like ``--pool`` does at extraction: ``avg`` / ``max`` (also
+        ``avg:K``) over H, W of a (C, H, W) map, ``cls`` / ``mean`` over the tokens of a (T, D) output.
+        Pooling is computed in float32 (float64 if asked) block by block, so a pooled read never holds
+        the whole full-size layer. ``dtype=None`` keeps the stored dtype. Returns numpy, or torch
+        with ``as_torch=True``.
+        """
+        array = self.array(layer)
+        rows = _normalize(index, self.num_samples)
+        out_dtype = _torch_dtype(dtype, array.dtype)
+        reduce = make_pool(pool) if pool not in (None, "none") else None
+        compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+        out_shape = self._pooled_shape(layer, reduce, pool)
+        out = torch.empty((rows.count, *out_shape), dtype=out_dtype)
+        position = 0
+        for block in self._read_blocks(array, rows):
+            values = torch.from_numpy(np.ascontiguousarray(block))
+            if reduce is not None:
+                values = reduce(values.to(compute_dtype))
+            out[position : position + len(values)] = values
+            position += len(values)
+        if rows.inverse is not None:
+            out = out[torch.from_numpy(rows.inverse)]
+        return out if as_torch else out.numpy()
+
+    def _pooled_shape(self, layer: str, reduce: Any, pool: str | None) -> tuple[int, ...]:
+        shape = self.shapes[layer]
+        if reduce is None:
+            return shape
+        try:
+            return tuple(reduce(torch.zeros((1, *shape)))[0].shape)
+        except PoolShapeError as e:
+            raise e.for_layer(layer) from None
+
+    def _read_blocks(self, array: zarr.Array, rows: _Rows) -> Iterator[np.ndarray]:
+        """The requested rows in order, a few whole chunks per zarr call (never element by element)."""
+        chunk = self.chunk_size
+        row_bytes = math.prod(array.shape[1:]) * array.dtype.itemsize
+        span = chunk * max(1, READ_BLOCK_BYTES // max(1, row_bytes * chunk))  # rows per block, chunk-aligned
+        if rows.sorted_rows is None:
+            if rows.stop <= rows.start:
+                return
+            for block_start in range(rows.start - rows.start % span, rows.stop, span):
+                yield array[max(block_start, rows.start) : min(block_start + span, rows.stop)]
+            return
+        wanted = rows.sorted_rows
+        if wanted.size == 0:
+            return
+        edges = np.arange(wanted[0] - wanted[0] % span, wanted[-1] + span, span)
+        bounds = np.searchsorted(wanted, edges)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            if lo == hi:
+                continue
+            picked = wanted[lo:hi]
+            if picked[-1] - picked[0] + 1 == len(picked):
+                yield array[picked[0] : picked[-1] + 1]
+            else:
+                yield array.oindex[picked]
+
+    def __repr__(self) -> str:
+        layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
+        state = "complete" if self.complete else f"{int(self.present.sum())}/{self.num_samples} present"
+        return f"Features({str(self.path)!r}, N={self.num_samples}, {state}; {layers})"
+
+
+def open_features(path: str | Path, *, allow_partial: bool = False) -> Features:
+    """Open the store at ``path`` for reading.
+
+    A store whose job has not finished (status "running": still running, or interrupted) is refused
+    unless ``allow_partial=True``; then ``features.present`` tells which samples were written, and
+    the others read as NaN (labels -1).
+    """
+    path = Path(path)
+    store = FeatureStore.open(path, mode="r")
+    features = Features(path, store)
+    if not features.complete and not allow_partial:
+        done = int(store.array("done")[:].sum())
+        raise ExtractError(
+            f"{path} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
+            "chunks written): rerun the same extract command to finish it, or open it with "
+            "allow_partial=True and read features.present"
+        )
+    return features
