@@ -1,0 +1,216 @@
+"""Reading stores back: ``open_features``, xarray, and the chunk-aware torch Dataset and sampler."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+import zarr
+from conftest import TINY
+from torch.utils.data import DataLoader
+
+from extract import ChunkShuffleSampler, ExtractError, FeatureDataset, open_features
+from extract.cli import main
+
+N, CHUNK = 40, 8  # K = 5 chunks
+
+
+def extract_store(path, *args):
+    code = main(["--data", f"synthetic:{N}", "--image-size", "32", "--chunk-size", str(CHUNK), "--num-workers", "0",
+                 "--batch-size", "16", "--out", str(path), *args])  # fmt: skip
+    assert code == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """resnet18 layer3 (256, 2, 2) and layer4 (512, 1, 1) in float16, 40 samples in 5 chunks."""
+    path = tmp_path_factory.mktemp("reader") / "r18.zarr"
+    return extract_store(path, "--model", "resnet18", "--weights", "none", "--layers", "layer3", "layer4")
+
+
+@pytest.fixture(scope="module")
+def raw(store):
+    """What zarr itself reads, the reference every reader result is compared with."""
+    group = zarr.open_group(store, mode="r")
+    return {layer: group[f"features/{layer}"][:] for layer in ("layer3", "layer4")}
+
+
+@pytest.fixture
+def partial(store, tmp_path):
+    """A copy of the store as an interrupted job leaves it: status running, chunk 1 never written."""
+    path = tmp_path / "partial.zarr"
+    shutil.copytree(store, path)
+    group = zarr.open_group(path, mode="r+")
+    group.attrs["status"] = "running"
+    group["done"][1] = False
+    for layer in ("layer3", "layer4"):
+        shutil.rmtree(path / "features" / layer / "c" / "1")
+    return path
+
+
+def test_open_describes_the_store(store):
+    features = open_features(store)
+    assert features.layers == ["layer3", "layer4"]
+    assert features.shapes == {"layer3": (256, 2, 2), "layer4": (512, 1, 1)}
+    assert features.dtypes == {"layer3": np.float16, "layer4": np.float16}
+    assert len(features) == features.num_samples == N and features.chunk_size == CHUNK
+    assert features.complete and features.present.all()
+    assert features.labels.tolist() == [i % 10 for i in range(N)]
+    assert features.attrs["model"] == "resnet18" and features.attrs["job"]["weights"] == "none"
+    assert features.array("layer3").shape == (N, 256, 2, 2)
+    assert "layer3 [256, 2, 2] float16" in repr(features)
+
+
+def test_load_any_index_equals_zarr(store, raw):
+    features = open_features(store)
+    expected = raw["layer3"].astype(np.float32)
+    full = features.load("layer3")
+    assert full.dtype == np.float32 and np.array_equal(full, expected)
+    assert np.array_equal(features.load("layer3", slice(5, 27)), expected[5:27])
+    assert np.array_equal(features.load("layer3", slice(None, None, -3)), expected[::-3])
+    unsorted = [33, 2, 2, -1, 17, 8, 9]
+    assert np.array_equal(features.load("layer3", unsorted), expected[unsorted])
+    mask = np.arange(N) % 3 == 0
+    assert np.array_equal(features.load("layer3", mask), expected[mask])
+    assert np.array_equal(features.load("layer3", np.array([], dtype=int)), expected[:0])
+    stored = features.load("layer4", [1, 2], dtype=None, as_torch=True)
+    assert isinstance(stored, torch.Tensor) and stored.dtype == torch.float16
+    assert np.array_equal(stored.numpy(), raw["layer4"][[1, 2]])
+    with pytest.raises(ExtractError, match="out of range"):
+        features.load("layer3", [N])
+
+
+def test_load_pools_like_extraction(store, raw):
+    features = open_features(store)
+    values = raw["layer3"].astype(np.float32)
+    np.testing.assert_allclose(features.load("layer3", pool="avg"), values.mean(axis=(2, 3)), rtol=1e-6)
+    np.testing.assert_array_equal(features.load("layer3", [4, 30], pool="max"), values[[4, 30]].max(axis=(2, 3)))
+    assert features.load("layer3", pool="avg:1", as_torch=True).shape == (N, 256, 1, 1)
+    with pytest.raises(ExtractError, match="--pool cls does not fit layer 'layer3'"):
+        features.load("layer3", pool="cls")
+
+
+def test_token_pools(tmp_path):
+    path = extract_store(tmp_path / "vit.zarr", "--model", f"{TINY}:tiny_vit", "--layers", "encoder.layers.*")
+    features = open_features(path)
+    layer = "encoder.layers.encoder_layer_1"
+    tokens = zarr.open_group(path, mode="r")[f"features/{layer}"][:].astype(np.float32)
+    assert features.shapes[layer] == tokens.shape[1:] and tokens.ndim == 3
+    np.testing.assert_array_equal(features.load(layer, pool="cls"), tokens[:, 0])
+    np.testing.assert_allclose(features.load(layer, pool="mean"), tokens.mean(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_sorted_index_reads_each_chunk_once(store, monkeypatch):
+    fetched = []
+    original = zarr.storage.LocalStore.get
+
+    async def counting_get(self, key, *args, **kwargs):
+        fetched.append(key)
+        return await original(self, key, *args, **kwargs)
+
+    features = open_features(store)
+    features.array("layer3")  # metadata read before counting
+    monkeypatch.setattr(zarr.storage.LocalStore, "get", counting_get)
+    features.load("layer3", [0, 1, 2, 7, 9, 10, 33])
+    chunks = sorted(key for key in fetched if "/c/" in key)
+    assert chunks == ["features/layer3/c/0/0/0/0", "features/layer3/c/1/0/0/0", "features/layer3/c/4/0/0/0"]
+
+
+def test_errors_name_the_problem(store, tmp_path):
+    with pytest.raises(ExtractError, match="has no layer 'layer5'; it has layer3, layer4"):
+        open_features(store).load("layer5")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExtractError, match="not an extract store"):
+        open_features(tmp_path / "empty")
+
+
+def test_partial_store_refused_unless_asked(partial, raw):
+    with pytest.raises(ExtractError, match=r"not complete \(status 'running', 4 of 5 chunks.*allow_partial=True"):
+        open_features(partial)
+    features = open_features(partial, allow_partial=True)
+    assert not features.complete
+    assert features.present.tolist() == [not CHUNK <= i < 2 * CHUNK for i in range(N)]
+    present = features.load("layer4", features.present)
+    assert np.array_equal(present, raw["layer4"][features.present].astype(np.float32))
+    assert np.isnan(features.load("layer4", slice(CHUNK, 2 * CHUNK))).all()
+
+
+def test_xarray_opens_layers_with_named_dims(store, raw):
+    ds = xr.open_zarr(store, group="features", consolidated=False)
+    assert set(ds.data_vars) == {"layer3", "layer4"}
+    assert ds["layer3"].dims == ("sample", "layer3.channel", "layer3.height", "layer3.width")
+    assert ds["layer4"].dims == ("sample", "layer4.channel", "layer4.height", "layer4.width")
+    assert ds.sizes["sample"] == N and ds["layer3"].dtype == np.float16
+    np.testing.assert_array_equal(ds["layer3"].values, raw["layer3"])
+    pooled = ds["layer3"].astype("float32").mean(["layer3.height", "layer3.width"])
+    np.testing.assert_allclose(pooled.values, raw["layer3"].astype(np.float32).mean(axis=(2, 3)), rtol=1e-6)
+    # labels live beside the features group; attach them as a coordinate
+    labeled = ds.assign_coords(label=("sample", open_features(store).labels))
+    assert labeled["layer4"].sel(sample=labeled.label == 3).sizes["sample"] == N // 10
+
+
+def test_dataset_items_equal_store(store, raw):
+    one = FeatureDataset(store, "layer3", pool="avg")
+    values, label = one[13]
+    assert isinstance(values, torch.Tensor) and values.dtype == torch.float32 and values.shape == (256,)
+    np.testing.assert_allclose(values.numpy(), raw["layer3"][13].astype(np.float32).mean(axis=(1, 2)), rtol=1e-6)
+    assert label == 3
+    both = FeatureDataset(store, ["layer3", "layer4"])
+    values, label = both[-1]
+    assert set(values) == {"layer3", "layer4"} and label == (N - 1) % 10
+    assert np.array_equal(values["layer3"].numpy(), raw["layer3"][-1].astype(np.float32))
+    assert np.array_equal(values["layer4"].numpy(), raw["layer4"][-1].astype(np.float32))
+    with pytest.raises(ExtractError, match="no layer 'fc'"):
+        FeatureDataset(store, ["layer3", "fc"])
+
+
+def test_sampler_epoch_covers_each_index_once_and_reads_each_chunk_once(store, raw):
+    dataset = FeatureDataset(store, "layer4")
+    sampler = ChunkShuffleSampler(len(dataset), dataset.chunk_size, batch_size=3, seed=7)
+    orders = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        before = dataset.chunk_reads
+        seen, labels = [], []
+        for values, label in DataLoader(dataset, batch_sampler=sampler):
+            seen.append(values)
+            labels.append(label)
+        order = [i for batch in sampler for i in batch]
+        assert sorted(order) == list(range(N)) and order != list(range(N))
+        # each chunk once; the next epoch may start with the chunk still cached from the last one
+        assert dataset.chunk_reads - before in (N // CHUNK - epoch, N // CHUNK)
+        assert np.array_equal(torch.cat(seen).numpy(), raw["layer4"][order].astype(np.float32))
+        assert torch.cat(labels).tolist() == [i % 10 for i in order]
+        orders.append(order)
+    assert orders[0] != orders[1]
+    sampler.set_epoch(0)
+    assert [i for batch in sampler for i in batch] == orders[0]
+    assert len(sampler) == len(list(sampler))
+
+
+class ReadLoggingDataset(FeatureDataset):
+    """Appends each chunk read to a file, to count reads made inside DataLoader workers."""
+
+    log = None
+
+    def _read_chunk(self, chunk):
+        super()._read_chunk(chunk)
+        with open(self.log, "a") as f:
+            f.write(f"{chunk}\n")
+
+
+def test_two_workers_cover_every_index_and_read_each_chunk_about_once(store, raw, tmp_path):
+    dataset = ReadLoggingDataset(store, ["layer3", "layer4"])
+    dataset.log = tmp_path / "reads.txt"
+    sampler = ChunkShuffleSampler(len(dataset), dataset.chunk_size, batch_size=4, num_workers=2, seed=1)
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2)
+    batches = list(loader)
+    order = [i for batch in sampler for i in batch]
+    assert sorted(order) == list(range(N))
+    assert np.array_equal(torch.cat([b[0]["layer3"] for b in batches]).numpy(), raw["layer3"][order].astype(np.float32))
+    assert torch.cat([b[1] for b in batches]).tolist() == [i % 10 for i in order]
+    reads = dataset.log.read_text().split()
+    assert sorted(set(reads)) == [str(k) for k in range(N // CHUNK)]
+    assert len(reads) <= N // CHUNK + 1  # only the uneven end of the two streams may repeat a chunk
