@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .errors import ExtractError
+from .interrupt import Interrupted
 from .pooling import POOL_CHOICES
 from .spec import DTYPES, PRECISIONS, JobSpec
 from .store import COMPRESSORS
+from .writer import WriterError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         default=None,
         help="run the whole forward even after the last requested layer",
+    )
+    p.add_argument(
+        "--skip-bad-images",
+        action="store_true",
+        default=None,
+        help="record undecodable images as invalid (valid=False, NaN features) instead of stopping",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a process waits for the others at a barrier before failing (default 1800)",
     )
     p.add_argument("--overwrite", action="store_true", default=None, help="replace a store of a different job")
     return p
@@ -105,4 +119,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ExtractError as e:
         print(f"extract: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:
+        print(f"extract: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except WriterError as e:
+        print(
+            f"extract: error: {e}; chunks not fully written are not marked done, a rerun redoes them",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except KeyboardInterrupt:
+        print("extract: interrupted; rerun the same command to resume", file=sys.stderr, flush=True)
+        return 130
     return 0

@@ -71,17 +71,32 @@ class FileList(Dataset):
 
 
 class Indexed(Dataset):
-    """Adds the sample index (the store's row) to each item, and makes labels plain ints."""
+    """Adds the sample index (the store's row) to each item and makes labels plain ints.
 
-    def __init__(self, dataset: Dataset) -> None:
+    An image that cannot be decoded does not raise here (a DataLoader worker would bury the file
+    name in a traceback): the item carries a blank image and the error text, and the run loop
+    either stops naming the file or records the sample as invalid (``--skip-bad-images``).
+    """
+
+    def __init__(self, dataset: Dataset, image_size: int) -> None:
         self.dataset = dataset
+        self.image_size = image_size
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
-        image, label = self.dataset[index]
-        return image, label if isinstance(label, int) else -1, index
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int, str]:
+        try:
+            image, label = self.dataset[index]
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            blank = torch.zeros(3, self.image_size, self.image_size)
+            return blank, -1, index, f"{self.source(index)} ({e.__class__.__name__}: {e})"
+        return image, label if isinstance(label, int) else -1, index, ""
+
+    def source(self, index: int) -> str:
+        """The file behind sample ``index`` (ImageFolder and file lists), for messages."""
+        samples = getattr(self.dataset, "samples", None)
+        return str(samples[index][0]) if samples is not None else f"sample {index}"
 
 
 class _RGBThen:
@@ -146,4 +161,4 @@ def build_dataset(spec: str, transform: Transform, image_size: int) -> Indexed:
         raise ExtractError(f"unknown --data '{spec}'; use one of {', '.join(DATA_KINDS)}")
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise ExtractError(f"--data {spec} is empty; point it at a folder or list with images")
-    return Indexed(dataset)
+    return Indexed(dataset, image_size)

@@ -14,16 +14,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from accelerate import PartialState
 from accelerate.utils import gather_object
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from .capture import Capture, Edit
-from .data import build_dataset
+from .data import Indexed, build_dataset
 from .dist import process_state
 from .errors import ExtractError
+from .interrupt import Interrupted, StopRequests
 from .layers import LayerRef, list_layers, resolve_layers
+from .lock import StoreLock
 from .models import build_model, library_versions
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
 from .pooling import Pool, make_pool
@@ -34,6 +39,7 @@ from .store import FeatureStore, check_out_path, codecs
 from .writer import ChunkWriter
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+Log = Callable[[str], None]
 
 
 @dataclass
@@ -44,6 +50,7 @@ class Summary:
     chunks_reused: int
     bytes_stored: int
     raw_bytes: int
+    invalid: int = 0
 
     @property
     def images_per_second(self) -> float:
@@ -54,10 +61,11 @@ class Summary:
         return self.raw_bytes / self.bytes_stored if self.bytes_stored else 0.0
 
     def line(self) -> str:
+        skipped = f"; {self.invalid} bad images skipped (valid=False)" if self.invalid else ""
         return (
             f"extract: {self.samples} samples in {self.seconds:.1f} s ({self.images_per_second:.1f} img/s); "
             f"{self.chunks_written} chunks written, {self.chunks_reused} reused; "
-            f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x"
+            f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
         )
 
 
@@ -65,13 +73,12 @@ def probe_shapes(
     model: nn.Module, refs: list[LayerRef], pool: Pool | None, example: torch.Tensor, autocast: Any
 ) -> dict[str, tuple[int, ...]]:
     """Run one batch through the capture to validate the layers (each runs exactly once, the pooling
-    fits) and learn each stored feature's shape, before anything is written."""
+    fits, the batch stays the first dimension) and learn each stored feature's shape, before anything
+    is written."""
     with Capture(model, refs, reduce=pool) as cap, torch.inference_mode(), autocast:
         model(example)
     if missing := cap.missing():
-        raise ExtractError(
-            f"layer {', '.join(repr(m) for m in missing)} never ran in the forward; pick layers that run"
-        )
+        raise ExtractError(f"layer {', '.join(map(repr, missing))} never ran in the forward; pick layers that run")
     for name, value in cap.outputs.items():
         if value.dim() == 0 or value.shape[0] != len(example):
             raise ExtractError(
@@ -91,7 +98,7 @@ def _default_workers(local_processes: int) -> int:
     return min(8, (os.cpu_count() or 1) // max(1, local_processes))
 
 
-def print_layers(spec: JobSpec, out: Callable[[str], None] = print) -> None:
+def print_layers(spec: JobSpec, out: Log = print) -> None:
     loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
     rows = list_layers(loaded.model, torch.zeros(1, 3, loaded.input_size, loaded.input_size))
     width = max(len(name) for name, _, _ in rows)
@@ -100,19 +107,35 @@ def print_layers(spec: JobSpec, out: Callable[[str], None] = print) -> None:
         out(f"{name:<{width}}  {cls:<{cls_width}}  {shape}")
 
 
-def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[[str], None] | None = None) -> Summary:
-    """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
-    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
-    spec.validate()
-    out = Path(spec.out)
-    existing = check_out_path(out)
-    state = process_state()
+@dataclass
+class _Job:
+    """What every rank has agreed on before the loop starts."""
+
+    spec: JobSpec
+    state: PartialState
+    model: nn.Module
+    refs: list[LayerRef]
+    pool: Pool | None
+    dataset: Indexed
+    shapes: dict[str, tuple[int, ...]]
+    plan: Plan
+    identity: dict[str, Any]
+    attrs: dict[str, Any]
+    autocast: Any
+    memory_format: torch.memory_format
+
+    @property
+    def sample_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.spec.dtype)).element_size()
+        return sum(math.prod(shape) for shape in self.shapes.values()) * itemsize
+
+
+def _prepare(spec: JobSpec, state: PartialState) -> _Job:
+    """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     device = state.device
-    main = state.is_main_process
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
     autocast = _autocast(device, precision)
     codecs(spec.compressor)
-
     loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
     model = loaded.model.to(device, memory_format=memory_format)
@@ -124,8 +147,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[
 
     num_samples = len(dataset)
     itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
-    sample_bytes = {name: math.prod(shape) * itemsize for name, shape in shapes.items()}
-    plan = Plan(num_samples, spec.chunk_size or default_chunk_size(num_samples, max(sample_bytes.values())))
+    largest = max(math.prod(shape) for shape in shapes.values()) * itemsize
+    plan = Plan(num_samples, spec.chunk_size or default_chunk_size(num_samples, largest))
     identity = {
         "model": spec.model,
         "weights": loaded.weights,
@@ -140,131 +163,196 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Callable[
         "compressor": spec.compressor,
         "preprocessing": repr(loaded.preprocess),
     }
-    job_fingerprint = fingerprint(identity)
+    attrs = {
+        "status": "running",
+        "fingerprint": fingerprint(identity),
+        "identity": identity,
+        "job": spec.to_dict(),
+        "model": spec.model,
+        "weights": loaded.weights,
+        "layers": list(shapes),
+        "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
+        "preprocessing": repr(loaded.preprocess),
+        "dataset": spec.data,
+        "num_samples": num_samples,
+        "chunk_size": plan.chunk_size,
+        "dtype": spec.dtype,
+        "precision": precision,
+        "pool": spec.pool,
+        "versions": library_versions(),
+        "runs": [],
+    }
+    return _Job(spec, state, model, refs, pool, dataset, shapes, plan, identity, attrs, autocast, memory_format)
 
-    # Every rank decides from what it saw of --out at start-up (so all decide alike and refuse alike);
-    # the barrier keeps rank 0 from replacing the store before the others have looked.
-    state.wait_for_everyone()
-    resume = False
-    if existing is not None:
-        if existing.get("fingerprint") == job_fingerprint:
-            resume = True
-            if existing.get("status") == "complete":
-                if main:
-                    log(f"extract: {out} is already complete for this job; nothing to do")
-                return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
-        elif not spec.overwrite:
-            before = existing.get("identity", {})
-            differs = [key for key in identity if before.get(key) != identity[key]] or ["fingerprint"]
-            raise ExtractError(
-                f"--out {out} holds a different job (differs in: {', '.join(differs)}); "
-                "pass --overwrite to replace it, or choose another --out"
-            )
 
-    if main and spec.data.startswith("synthetic:"):
-        log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
-    if main and not resume:
-        FeatureStore.create(
-            out,
-            shapes=shapes,
-            num_samples=num_samples,
-            chunk_size=plan.chunk_size,
-            dtype=spec.dtype,
-            compressor=spec.compressor,
-            overwrite=spec.overwrite,
-            attrs={
-                "status": "running",
-                "fingerprint": job_fingerprint,
-                "identity": identity,
-                "job": spec.to_dict(),
-                "model": spec.model,
-                "weights": loaded.weights,
-                "layers": list(shapes),
-                "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
-                "preprocessing": repr(loaded.preprocess),
-                "dataset": spec.data,
-                "num_samples": num_samples,
-                "chunk_size": plan.chunk_size,
-                "dtype": spec.dtype,
-                "precision": precision,
-                "pool": spec.pool,
-                "versions": library_versions(),
-                "runs": [],
-            },
-        )
-    state.wait_for_everyone()
-    store = FeatureStore.open(out)
-    pending = store.pending_chunks()
-    shares = assign(pending, state.num_processes)
-    mine = shares[state.process_index]
-    hostnames = gather_object([socket.gethostname()])
-    started = time.time()
-    if main:
-        run_record = {
-            "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "world_size": state.num_processes,
-            "chunks_per_rank": [len(share) for share in shares],
-            "hostnames": hostnames,
-            "seconds": None,
-            "status": "running",
-        }
-        store.update_attrs(runs=[*store.attrs.get("runs", []), run_record])
-        if resume:
-            log(f"extract: resuming {out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done")
+def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
+    """ "create", "resume" or "complete" for the store found at --out; refuses another job's store."""
+    if existing is None:
+        return "create"
+    if existing.get("fingerprint") == job.attrs["fingerprint"]:
+        return "complete" if existing.get("status") == "complete" else "resume"
+    if job.spec.overwrite:
+        return "create"
+    before = existing.get("identity", {})
+    differs = [key for key in job.identity if before.get(key) != job.identity[key]] or ["fingerprint"]
+    raise ExtractError(
+        f"--out {job.spec.out} holds a different job (differs in: {', '.join(differs)}); "
+        "pass --overwrite to replace it, or choose another --out"
+    )
 
+
+def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None) -> tuple[int, int]:
+    """Forward this rank's chunks under the capture and hand them to the writer.
+
+    Returns (chunks written, invalid samples). Raises ``Interrupted`` after a signal, and
+    ``ExtractError`` naming an undecodable image, each after writing the chunks already complete.
+    """
+    spec, device = job.spec, job.state.device
     loader = DataLoader(
-        dataset,
-        batch_sampler=ChunkBatchSampler(plan, mine, spec.batch_size),
-        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(state.num_processes),
+        job.dataset,
+        batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
+        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(job.state.num_processes),
         pin_memory=device.type == "cuda",
     )
-    staging = HostStaging(shapes, spec.batch_size, getattr(torch, spec.dtype), device)
-    writer = ChunkWriter(store, staging, plan, shapes, threads=spec.writer_threads)
-    progress = JobProgress(out, plan, pending, enabled=main)
+    staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=spec.writer_threads)
+    bad_image, invalid = None, 0
     try:
         with (
-            Capture(model, refs, reduce=pool, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
+            StopRequests() as stop,
+            Capture(job.model, job.refs, reduce=job.pool, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
             torch.inference_mode(),
-            autocast,
+            job.autocast,
         ):
-            for images, labels, indices in loader:
+            batches = iter(loader)
+            while stop.signum is None:
+                try:
+                    images, labels, indices, errors = next(batches)
+                except StopIteration:
+                    break
+                except Exception:
+                    if stop.signum is not None:  # DataLoader workers died of the same signal
+                        break
+                    raise
+                valid = np.array([not error for error in errors])
+                if not valid.all():
+                    if not spec.skip_bad_images:
+                        bad_image = next(error for error in errors if error)
+                        break
+                    invalid += int((~valid).sum())
                 slot = staging.acquire(writer.check)
-                cap.forward(images.to(device, non_blocking=True, memory_format=memory_format))
+                cap.forward(images.to(device, non_blocking=True, memory_format=job.memory_format))
                 staging.seal(slot)
-                writer.submit(slot, indices, labels)
-        writer.close()
+                writer.submit(slot, indices, labels, valid)
+        writer.close(complete=stop.signum is None and bad_image is None)
     except BaseException:
         writer.abort()
         raise
-    finally:
-        progress.close()
-
-    state.wait_for_everyone()
-    seconds = time.time() - started
-    summary = Summary(
-        samples=plan.samples_in(pending),
-        seconds=seconds,
-        chunks_written=len(pending),
-        chunks_reused=plan.num_chunks - len(pending),
-        bytes_stored=0,
-        raw_bytes=num_samples * sum(sample_bytes.values()),
-    )
-    if main:
-        if left := store.pending_chunks():
-            raise ExtractError(f"chunks {left[:5]} of {out} were not written; rerun the same command to finish them")
-        runs = store.attrs["runs"]
-        runs[-1].update(seconds=round(seconds, 3), status="complete")
-        summary.bytes_stored = store.stored_bytes()
-        store.update_attrs(
-            status="complete",
-            runs=runs,
-            summary={
-                "samples": summary.samples,
-                "seconds": round(seconds, 3),
-                "images_per_second": round(summary.images_per_second, 2),
-                "bytes_stored": summary.bytes_stored,
-                "compression_ratio": round(summary.compression_ratio, 3),
-            },
+    for layer, count in writer.overflow.items():
+        if count:
+            tqdm.write(
+                f"extract: WARNING layer '{layer}': {count} values beyond the float16 range were stored as inf; "
+                "use --dtype float32 to keep them",
+                file=sys.stderr,
+            )
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, writer.chunks_written)
+    if bad_image is not None:
+        raise ExtractError(
+            f"cannot decode image {bad_image}; fix or remove it, or pass --skip-bad-images "
+            f"({writer.chunks_written} chunks written; a rerun resumes)"
         )
-        log(summary.line())
+    return writer.chunks_written, invalid
+
+
+def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | None = None) -> Summary:
+    """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    spec.validate()
+    out = Path(spec.out)
+    existing = check_out_path(out)  # before any compute
+    state = process_state(spec.timeout)
+    main = state.is_main_process
+    job = _prepare(spec, state)
+    # Every rank decides from what it saw of --out at start-up, so all decide (and refuse) alike;
+    # the barrier keeps rank 0 from replacing the store before the others have looked.
+    state.wait_for_everyone()
+    action = _decide(job, existing)
+    plan = job.plan
+    if action == "complete":
+        if main:
+            log(f"extract: {out} is already complete for this job; nothing to do")
+        return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
+
+    with contextlib.ExitStack() as held:
+        if main:
+            if spec.data.startswith("synthetic:"):
+                log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
+            if action == "create":
+                FeatureStore.create(
+                    out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
+                    dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
+                )  # fmt: skip
+            held.enter_context(StoreLock(out))
+        state.wait_for_everyone()
+        store = FeatureStore.open(out)
+        pending = store.pending_chunks()
+        shares = assign(pending, state.num_processes)
+        hostnames = gather_object([socket.gethostname()])
+        started = time.time()
+        if main:
+            record = {
+                "started": datetime.now(UTC).isoformat(timespec="seconds"),
+                "world_size": state.num_processes,
+                "chunks_per_rank": [len(share) for share in shares],
+                "hostnames": hostnames,
+                "seconds": None,
+                "status": "running",
+            }
+            store.update_attrs(runs=[*store.attrs.get("runs", []), record])
+            if action == "resume":
+                log(
+                    f"extract: resuming {out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
+                )
+
+        progress = JobProgress(out, plan, pending, enabled=main)
+        try:
+            _loop(job, store, shares[state.process_index], edit)
+        finally:
+            progress.close()
+        state.wait_for_everyone()
+        seconds = time.time() - started
+        summary = Summary(
+            samples=plan.samples_in(pending),
+            seconds=seconds,
+            chunks_written=len(pending),
+            chunks_reused=plan.num_chunks - len(pending),
+            bytes_stored=0,
+            raw_bytes=plan.num_samples * job.sample_bytes,
+        )
+        if main:
+            _finish(store, summary, log)
     return summary
+
+
+def _finish(store: FeatureStore, summary: Summary, log: Log) -> None:
+    """Rank 0, after the last barrier: check every chunk is done, then mark the store complete."""
+    if left := store.pending_chunks():
+        raise ExtractError(f"chunks {left[:5]} of {store.path} were not written; rerun the same command")
+    summary.bytes_stored = store.stored_bytes()
+    summary.invalid = int((~store.array("valid")[:]).sum())
+    runs = store.attrs["runs"]
+    runs[-1].update(seconds=round(summary.seconds, 3), status="complete")
+    store.update_attrs(
+        status="complete",
+        runs=runs,
+        summary={
+            "samples": summary.samples,
+            "seconds": round(summary.seconds, 3),
+            "images_per_second": round(summary.images_per_second, 2),
+            "bytes_stored": summary.bytes_stored,
+            "compression_ratio": round(summary.compression_ratio, 3),
+            "invalid_samples": summary.invalid,
+        },
+    )
+    log(summary.line())

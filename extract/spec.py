@@ -34,6 +34,8 @@ class JobSpec:
     seed: int = 0
     channels_last: bool = False
     writer_threads: int = 2
+    skip_bad_images: bool = False
+    timeout: float = 1800.0
 
     def validate(self) -> None:
         """Reject bad values before anything is built or written."""
@@ -44,6 +46,8 @@ class JobSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.timeout <= 0:
+            raise ExtractError(f"--timeout must be positive seconds, got {self.timeout}")
         if self.num_workers is not None and self.num_workers < 0:
             raise ExtractError(f"--num-workers must be 0 or more, got {self.num_workers}")
         if self.dtype not in DTYPES:

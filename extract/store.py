@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
 from .errors import ExtractError
+from .lock import check_unlocked
 
 FORMAT = "extract-features"
 FORMAT_VERSION = 1
@@ -62,15 +63,26 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
             raise ExtractError(
                 f"--out {path} is a directory that is not an extract store; choose a new path (it is never overwritten)"
             )
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ExtractError(f"--out {path} is not writable; choose another --out")
+        if attrs is not None:
+            check_unlocked(path)
+        _check_writable(path, f"--out {path} is not writable")
         return attrs
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ExtractError(f"--out {path}: cannot create it under {parent} (not writable); choose another --out")
+    if not parent.is_dir():
+        raise ExtractError(f"--out {path}: {parent} is a file, not a directory; choose another --out")
+    _check_writable(parent, f"--out {path}: cannot create it under {parent} (not writable)")
     return None
+
+
+def _check_writable(directory: Path, problem: str) -> None:
+    # os.access says yes to root even on a read-only filesystem; creating a file tells the truth.
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ExtractError(f"{problem} ({e.strerror}); choose another --out") from None
 
 
 class FeatureStore:
@@ -111,13 +123,13 @@ class FeatureStore:
                 dimension_names=dimension_names(layer, len(shape)),
             )
         group.create_array(
-            "labels",
-            shape=(num_samples,),
-            chunks=(chunk_size,),
-            dtype="int64",
-            fill_value=-1,
+            "labels", shape=(num_samples,), chunks=(chunk_size,), dtype="int64", fill_value=-1,
             dimension_names=("sample",),
-        )
+        )  # fmt: skip
+        group.create_array(
+            "valid", shape=(num_samples,), chunks=(chunk_size,), dtype="bool", fill_value=False,
+            dimension_names=("sample",),
+        )  # fmt: skip
         num_chunks = -(-num_samples // chunk_size)
         group.create_array(
             "done", shape=(num_chunks,), chunks=(1,), dtype="bool", fill_value=False, dimension_names=("chunk",)
@@ -149,12 +161,19 @@ class FeatureStore:
         return np.flatnonzero(~self.array("done")[:]).tolist()
 
     def write_chunk(
-        self, chunk: int, start: int, stop: int, features: Mapping[str, np.ndarray], labels: np.ndarray
+        self,
+        chunk: int,
+        start: int,
+        stop: int,
+        features: Mapping[str, np.ndarray],
+        labels: np.ndarray,
+        valid: np.ndarray,
     ) -> None:
         """Write one whole chunk of every array, then mark it done: a crash before the mark redoes it."""
         for layer, values in features.items():
             self.array(f"features/{layer}")[start:stop] = values
         self.array("labels")[start:stop] = labels
+        self.array("valid")[start:stop] = valid
         self.array("done")[chunk] = True
 
     def stored_bytes(self) -> int:

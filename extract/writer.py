@@ -27,15 +27,18 @@ class _OpenChunk:
         rows = self.stop - self.start
         self.features = {name: np.empty((rows, *shape), dtype=dtype) for name, shape in shapes.items()}
         self.labels = np.full(rows, -1, dtype=np.int64)
+        self.valid = np.zeros(rows, dtype=bool)
         self.filled = 0
 
 
 class ChunkWriter:
-    """Consumes ``(slot, indices, labels)`` on a thread, fills whole chunks and writes each one.
+    """Consumes ``(slot, indices, labels, valid)`` on a thread, fills whole chunks and writes each one.
 
     Writes (encode + store) run on ``threads`` worker threads with at most ``threads`` chunks in
     flight, so host memory is bounded by the slot pool plus a few chunks. Any error is kept and
-    re-raised in the caller's thread by ``check()``, ``submit()`` and ``close()``.
+    re-raised in the caller's thread by ``check()``, ``submit()`` and ``close()``. Rows of invalid
+    samples (undecodable images) are stored as NaN; infinities in float16 storage (values beyond
+    its range) are counted per layer in ``overflow``.
     """
 
     def __init__(
@@ -51,7 +54,10 @@ class ChunkWriter:
         self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
         self.threads = threads
         self.chunks_written = 0
-        self._queue: queue.Queue[tuple[Slot, np.ndarray, np.ndarray] | None] = queue.Queue(staging.num_slots)
+        self.overflow: dict[str, int] = dict.fromkeys(self.shapes, 0)
+        self._queue: queue.Queue[tuple[Slot, np.ndarray, np.ndarray, np.ndarray] | None] = queue.Queue(
+            staging.num_slots
+        )
         self._open: dict[int, _OpenChunk] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write")
         self._inflight: deque[Future[None]] = deque()
@@ -63,8 +69,8 @@ class ChunkWriter:
         if self._error is not None:
             raise WriterError(f"writing the store failed: {self._error!r}") from self._error
 
-    def submit(self, slot: Slot, indices: torch.Tensor, labels: torch.Tensor) -> None:
-        item = (slot, indices.numpy().astype(np.int64), labels.numpy().astype(np.int64))
+    def submit(self, slot: Slot, indices: torch.Tensor, labels: torch.Tensor, valid: np.ndarray) -> None:
+        item = (slot, indices.numpy().astype(np.int64), labels.numpy().astype(np.int64), valid)
         while True:
             self.check()
             try:
@@ -73,15 +79,20 @@ class ChunkWriter:
             except queue.Full:
                 continue
 
-    def close(self) -> None:
-        """Wait for every submitted batch to be written; raise the writer's error if any."""
+    def close(self, complete: bool = True) -> None:
+        """Wait for every submitted batch to be written; raise the writer's error if any.
+
+        ``complete=False`` (an interrupted run) drops chunks that never filled up instead of
+        failing: they stay not-done and a rerun computes them.
+        """
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
         self._pool.shutdown(wait=True)
         self.check()
-        if self._open:
+        if self._open and complete:
             raise WriterError(f"chunks {sorted(self._open)} were never completed")
+        self._open.clear()
 
     def abort(self) -> None:
         """Stop without writing partial chunks (used when the forward loop fails)."""
@@ -120,7 +131,7 @@ class ChunkWriter:
                 return
             self.staging.release(item[0])
 
-    def _consume(self, slot: Slot, indices: np.ndarray, labels: np.ndarray) -> None:
+    def _consume(self, slot: Slot, indices: np.ndarray, labels: np.ndarray, valid: np.ndarray) -> None:
         self.staging.wait(slot)
         try:
             for chunk, first, end in chunk_segments(indices, self.plan.chunk_size):
@@ -132,6 +143,7 @@ class ChunkWriter:
                 for name, buffer in slot.buffers.items():
                     open_chunk.features[name][at : at + rows] = buffer[first:end].numpy()
                 open_chunk.labels[at : at + rows] = labels[first:end]
+                open_chunk.valid[at : at + rows] = valid[first:end]
                 open_chunk.filled += rows
                 if open_chunk.filled == open_chunk.stop - open_chunk.start:
                     self._write(self._open.pop(chunk))
@@ -139,12 +151,24 @@ class ChunkWriter:
             self.staging.release(slot)
 
     def _write(self, chunk: _OpenChunk) -> None:
+        invalid = ~chunk.valid
+        for name, values in chunk.features.items():
+            if invalid.any():
+                values[invalid] = np.nan
+            if values.dtype == np.float16:
+                self.overflow[name] += int(np.isinf(values).sum())
         while len(self._inflight) >= self.threads:
             self._finish(self._inflight.popleft())
         self._inflight.append(
             self._pool.submit(
-                self.store.write_chunk, chunk.chunk, chunk.start, chunk.stop, chunk.features, chunk.labels
-            )
+                self.store.write_chunk,
+                chunk.chunk,
+                chunk.start,
+                chunk.stop,
+                chunk.features,
+                chunk.labels,
+                chunk.valid,
+            )  # fmt: skip
         )
 
     def _finish(self, write: Future[None]) -> None:

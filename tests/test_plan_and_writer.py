@@ -99,7 +99,7 @@ def _feed(writer, staging, indices):
         slot = staging.acquire(writer.check)
         staging.stage("a", torch.stack([batch.float(), -batch.float()], dim=1))
         staging.seal(slot)
-        writer.submit(slot, batch, batch % 2)
+        writer.submit(slot, batch, batch % 2, np.ones(len(batch), dtype=bool))
 
 
 @pytest.mark.parametrize("threads", [1, 3])

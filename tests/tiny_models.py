@@ -38,3 +38,23 @@ class DictNet(nn.Module):
 def dict_net() -> nn.Module:
     torch.manual_seed(0)
     return DictNet()
+
+
+class Loud(nn.Module):
+    """Activations far beyond the float16 range, to test overflow reporting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean(dim=(2, 3)))
+
+
+def loud_net() -> nn.Module:
+    torch.manual_seed(0)
+    net = Loud()
+    with torch.no_grad():
+        net.conv.weight.mul_(1e6)
+    return net

@@ -1,0 +1,258 @@
+"""Bad input, preemption and faults: exit status, message, and the store afterwards."""
+
+import json
+import re
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zarr
+from conftest import ROOT, TINY, make_png_tree, run_cli
+from reference import load_images, reference, resnet18
+
+from extract.lock import LOCK_NAME
+from extract.store import FeatureStore
+
+SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
+         "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
+
+
+def one_line_error(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_out_is_a_regular_file(cli, tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("precious")
+    code, _, err = cli(*SMALL, "--data", "synthetic:2", "--out", out, "--overwrite")
+    assert code == 2 and "regular file" in one_line_error(err)
+    assert out.read_text() == "precious"
+
+
+def test_out_is_a_foreign_directory(cli, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    code, _, err = cli(*SMALL, "--data", "synthetic:2", "--out", out, "--overwrite")
+    assert code == 2 and "not an extract store" in one_line_error(err)
+    assert os.listdir(out) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_out_cannot_be_written(cli, tmp_path, where):
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("x")
+        out = tmp_path / "file" / "f.zarr"
+    else:
+        out = "/proc/extract-test.zarr"
+    code, _, err = cli(*SMALL, "--data", "synthetic:2", "--out", out)
+    assert code == 2 and "--out" in one_line_error(err)
+
+
+def test_empty_datasets(cli, tmp_path):
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    code, _, err = cli(*SMALL, "--data", f"imagefolder:{empty_dir}", "--out", tmp_path / "a.zarr")
+    assert code == 2 and "imagefolder" in one_line_error(err)
+    empty_list = tmp_path / "list.txt"
+    empty_list.write_text("\n")
+    code, _, err = cli(*SMALL, "--data", f"filelist:{empty_list}", "--out", tmp_path / "b.zarr")
+    assert code == 2 and "is empty" in one_line_error(err)
+    assert not (tmp_path / "a.zarr").exists() and not (tmp_path / "b.zarr").exists()
+
+
+@pytest.fixture
+def broken_tree(tmp_path):
+    root = tmp_path / "images"
+    files = make_png_tree(root, {"a": 6, "b": 6})
+    good = (root / "a" / "000.png").read_bytes()
+    (root / "a" / "003.png").write_bytes(good[: len(good) // 2])  # truncated
+    (root / "b" / "001.png").write_text("not an image at all")
+    (root / "b" / "004.png").write_bytes(b"")  # zero bytes
+    bad = {root / "a" / "003.png", root / "b" / "001.png", root / "b" / "004.png"}
+    return root, files, bad
+
+
+def test_bad_image_stops_the_run_naming_the_file(cli, tmp_path, broken_tree):
+    root, files, bad = broken_tree
+    out = tmp_path / "stop.zarr"
+    code, _, err = cli(*SMALL, "--data", f"imagefolder:{root}", "--out", out, "--chunk-size", "2", "--batch-size", "2")
+    line = one_line_error(err)
+    assert code == 2 and "cannot decode image" in line and str(root / "a" / "003.png") in line
+    assert "--skip-bad-images" in line
+    group = zarr.open_group(out, mode="r")
+    assert group["done"][:].tolist() == [True, False, False, False, False, False]  # the chunk before it is kept
+    assert group.attrs["status"] == "running"
+
+
+def test_skip_bad_images_records_them_invalid(cli, tmp_path, broken_tree):
+    root, files, bad = broken_tree
+    out = tmp_path / "skip.zarr"
+    code, _, err = cli(*SMALL, "--data", f"imagefolder:{root}", "--out", out, "--chunk-size", "4",
+                       "--batch-size", "3", "--skip-bad-images")
+    assert code == 0, err
+    assert "3 bad images skipped" in err
+    group = zarr.open_group(out, mode="r")
+    valid = group["valid"][:]
+    assert [f for (f, _), ok in zip(files, valid, strict=True) if not ok] == sorted(bad)
+    features = group["features/layer3"][:]
+    assert np.isnan(features[~valid]).all()
+    good = [f for f, _ in files if f not in bad]
+    expected = reference(resnet18(), load_images(good, 32), {"layer3": ("layer3", None)}, pool="avg")["layer3"]
+    assert np.abs(features[valid] - expected).max() <= 1e-5
+    assert group.attrs["summary"]["invalid_samples"] == 3
+
+
+def test_float16_overflow_is_reported_with_the_layer(cli, tmp_path):
+    code, _, err = cli("--model", f"{TINY}:loud_net", "--layers", "conv", "--data", "synthetic:4", "--image-size", "32",
+                       "--num-workers", "0", "--out", tmp_path / "loud.zarr")
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if "WARNING" in line]
+    assert warning and "layer 'conv'" in warning[0] and "float16" in warning[0] and "--dtype float32" in warning[0]
+    count = int(re.search(r"(\d+) values beyond", warning[0]).group(1))
+    stored = zarr.open_group(tmp_path / "loud.zarr", mode="r")["features/conv"][:]
+    assert count == np.isinf(stored).sum() > 0
+
+
+def test_write_error_stops_the_run_and_a_rerun_completes(cli, tmp_path, monkeypatch):
+    args = [*SMALL, "--data", "synthetic:24", "--chunk-size", "3", "--batch-size", "2", "--out", tmp_path / "w.zarr"]
+    real_write = FeatureStore.write_chunk
+    calls = []
+
+    def failing_write(self, chunk, *rest):
+        calls.append(chunk)
+        if chunk == 3:
+            self.array("features/layer3")[9:10] = np.zeros((1, 256), dtype=np.float32)  # a partial write...
+            raise OSError(28, "No space left on device")  # ...then the disk is full
+        return real_write(self, chunk, *rest)
+
+    monkeypatch.setattr(FeatureStore, "write_chunk", failing_write)
+    started = time.time()
+    code, _, err = cli(*args)
+    assert time.time() - started < 60
+    assert code == 1 and "No space left on device" in one_line_error(err) and "rerun" in err
+    done = zarr.open_group(tmp_path / "w.zarr", mode="r")["done"][:]
+    assert not done[3], "a chunk that was not fully written must not be marked done"
+    monkeypatch.setattr(FeatureStore, "write_chunk", real_write)
+    code, _, err = cli(*args)
+    assert code == 0, err
+    reused = int(done.sum())
+    assert f"{8 - reused} chunks written, {reused} reused" in err
+    code, _, err = cli(*SMALL, "--data", "synthetic:24", "--chunk-size", "3", "--batch-size", "2",
+                       "--out", tmp_path / "clean.zarr")
+    np.testing.assert_array_equal(
+        zarr.open_group(tmp_path / "w.zarr", mode="r")["features/layer3"][:],
+        zarr.open_group(tmp_path / "clean.zarr", mode="r")["features/layer3"][:],
+    )
+
+
+LONG = [*SMALL, "--image-size", "64", "--data", "synthetic:3000", "--chunk-size", "8", "--batch-size", "8"]
+
+
+def _start(out, launcher=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [*(launcher or [sys.executable, "-m"]), "extract", *LONG, "--out", str(out)]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_chunks(job, out, count=3, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done = out / "done" / "c"
+        if done.is_dir() and len(os.listdir(done)) >= count:
+            return
+        assert job.poll() is None, job.stderr.read()
+        time.sleep(0.05)
+    raise AssertionError("the job did not get going")
+
+
+def _assert_consistent(out):
+    """Every chunk marked done holds real features; nothing else is marked."""
+    group = zarr.open_group(out, mode="r")
+    done = group["done"][:]
+    features = group["features/layer3"][:]
+    for chunk in np.flatnonzero(done):
+        assert not np.isnan(features[chunk * 8 : chunk * 8 + 8]).any()
+    return int(done.sum())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM-process", "SIGINT-launcher-2-ranks"])
+def test_preemption_writes_what_is_done_and_a_rerun_completes(cli, tmp_path, how):
+    from test_distributed import launcher as accelerate_launcher
+
+    out = tmp_path / "pre.zarr"
+    launcher = accelerate_launcher(2) if "launcher" in how else None
+    job = _start(out, launcher)
+    _wait_for_chunks(job, out)
+    sent = time.time()
+    if how == "SIGTERM-process":
+        job.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
+    _, err = job.communicate(timeout=60)
+    assert time.time() - sent < 30
+    assert job.returncode != 0
+    assert "rerun the same command to resume" in err, err[-2000:]
+    if how == "SIGTERM-process":
+        assert job.returncode == 128 + signal.SIGTERM
+    finished = _assert_consistent(out)
+    assert finished >= 3
+    assert not (out / LOCK_NAME).exists()
+
+    result = run_cli(*LONG, "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{finished} of 375 chunks already done" in result.stderr
+    code, _, err = cli(*LONG, "--out", tmp_path / "clean.zarr")
+    assert code == 0
+    np.testing.assert_array_equal(
+        zarr.open_group(out, mode="r")["features/layer3"][:],
+        zarr.open_group(tmp_path / "clean.zarr", mode="r")["features/layer3"][:],
+    )
+
+
+@pytest.mark.slow
+def test_live_job_holds_the_store(tmp_path):
+    out = tmp_path / "busy.zarr"
+    job = _start(out)
+    try:
+        _wait_for_chunks(job, out, count=1)
+        second = run_cli(*LONG, "--out", out)
+        line = one_line_error(second.stderr)
+        assert second.returncode == 2 and "being written by another job" in line
+        assert f"pid {job.pid}" in line and socket.gethostname() in line
+        second = run_cli(*LONG, "--out", out, "--overwrite")
+        assert second.returncode == 2 and "being written by another job" in second.stderr
+    finally:
+        job.kill()
+        job.communicate()
+    # SIGKILL leaves the lock behind, but its holder is dead: the next run takes it over
+    assert (out / LOCK_NAME).exists()
+    holder = json.loads((out / LOCK_NAME).read_text())
+    assert holder["pid"] == job.pid
+    result = run_cli(*[a if a != "synthetic:3000" else "synthetic:3000" for a in LONG], "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_lock_of_another_host(cli, tmp_path):
+    out = tmp_path / "remote.zarr"
+    args = [*SMALL, "--data", "synthetic:4", "--out", out]
+    assert cli(*args)[0] == 0
+    lock = out / LOCK_NAME
+    zarr.open_group(out, mode="r+").attrs["status"] = "running"
+    lock.write_text(json.dumps({"host": "node-17", "pid": 4242, "started": "2026-12-01T00:00:00"}))
+    code, _, err = cli(*args)
+    assert code == 2 and "host node-17, pid 4242" in one_line_error(err)
+    old = time.time() - 3600
+    os.utime(lock, (old, old))  # its heartbeat stopped an hour ago: stale
+    code, _, err = cli(*args)
+    assert code == 0, err
+    assert not lock.exists()
