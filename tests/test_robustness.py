@@ -1,8 +1,8 @@
 """Bad input, preemption and faults: exit status, message, and the store afterwards."""
 
 import json
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
