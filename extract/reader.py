@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+from zarr.core.buffer.cpu import NDBuffer
 
 from .errors import ExtractError
 from .layers import closest
@@ -65,6 +67,31 @@ def _normalize(index: Index, num_samples: int) -> _Rows:
         return _Rows(0, 0, rows)
     unique, inverse = np.unique(rows, return_inverse=True)
     return _Rows(0, 0, unique, inverse)
+
+
+def _count(selection: slice | np.ndarray) -> int:
+    return selection.stop - selection.start if isinstance(selection, slice) else len(selection)
+
+
+def _read(array: zarr.Array, selection: slice | np.ndarray, out: NDBuffer | None = None) -> np.ndarray:
+    if isinstance(selection, slice):
+        return array.get_basic_selection(selection, out=out)  # type: ignore[return-value]
+    return array.get_orthogonal_selection((selection,), out=out)  # type: ignore[return-value]
+
+
+def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iterator[np.ndarray]:
+    """The blocks in order, the next one decoded (by zarr's threads, the GIL released) while the
+    caller converts and pools this one."""
+    if len(selections) <= 1:
+        yield from (_read(array, selection) for selection in selections)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="extract-read") as background:
+        upcoming = background.submit(_read, array, selections[0])
+        for following in [*selections[1:], None]:
+            block = upcoming.result()
+            if following is not None:
+                upcoming = background.submit(_read, array, following)
+            yield block
 
 
 def _torch_dtype(dtype: str | None, stored: np.dtype) -> torch.dtype:
@@ -164,16 +191,20 @@ class Features:
         rows = _normalize(index, self.num_samples)
         out_dtype = _torch_dtype(dtype, array.dtype)
         reduce = make_pool(pool) if pool not in (None, "none") else None
-        compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
-        out_shape = self._pooled_shape(layer, reduce, pool)
-        out = torch.empty((rows.count, *out_shape), dtype=out_dtype)
-        position = 0
-        for block in self._read_blocks(array, rows):
-            values = torch.from_numpy(np.ascontiguousarray(block))
-            if reduce is not None:
-                values = reduce(values.to(compute_dtype))
-            out[position : position + len(values)] = values
-            position += len(values)
+        out = torch.empty((rows.count, *self._pooled_shape(layer, reduce, pool)), dtype=out_dtype)
+        blocks = list(self._blocks(rows, array))
+        if reduce is None and out_dtype == _torch_dtype(None, array.dtype):
+            # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
+            target = out.numpy()
+            for selection, at in blocks:
+                _read(array, selection, NDBuffer.from_numpy_array(target[at : at + _count(selection)]))
+        else:
+            compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+            for (_, at), block in zip(blocks, _prefetched(array, [selection for selection, _ in blocks]), strict=True):
+                values = torch.from_numpy(block)
+                if reduce is not None:
+                    values = reduce(values.to(compute_dtype))
+                out[at : at + len(values)] = values
         if rows.inverse is not None:
             out = out[torch.from_numpy(rows.inverse)]
         return out if as_torch else out.numpy()
@@ -187,8 +218,9 @@ class Features:
         except PoolShapeError as e:
             raise e.for_layer(layer) from None
 
-    def _read_blocks(self, array: zarr.Array, rows: _Rows) -> Iterator[np.ndarray]:
-        """The requested rows in order, a few whole chunks per zarr call (never element by element)."""
+    def _blocks(self, rows: _Rows, array: zarr.Array) -> Iterator[tuple[slice | np.ndarray, int]]:
+        """(selection, output position) per block of a few whole chunks: one zarr call each, whose
+        chunks zarr fetches and decodes concurrently; never element by element."""
         chunk = self.chunk_size
         row_bytes = math.prod(array.shape[1:]) * array.dtype.itemsize
         span = chunk * max(1, READ_BLOCK_BYTES // max(1, row_bytes * chunk))  # rows per block, chunk-aligned
@@ -196,7 +228,8 @@ class Features:
             if rows.stop <= rows.start:
                 return
             for block_start in range(rows.start - rows.start % span, rows.stop, span):
-                yield array[max(block_start, rows.start) : min(block_start + span, rows.stop)]
+                first = max(block_start, rows.start)
+                yield slice(first, min(block_start + span, rows.stop)), first - rows.start
             return
         wanted = rows.sorted_rows
         if wanted.size == 0:
@@ -207,10 +240,8 @@ class Features:
             if lo == hi:
                 continue
             picked = wanted[lo:hi]
-            if picked[-1] - picked[0] + 1 == len(picked):
-                yield array[picked[0] : picked[-1] + 1]
-            else:
-                yield array.oindex[picked]
+            contiguous = picked[-1] - picked[0] + 1 == len(picked)
+            yield (slice(int(picked[0]), int(picked[-1]) + 1) if contiguous else picked), int(lo)
 
     def __repr__(self) -> str:
         layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
