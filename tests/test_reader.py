@@ -149,6 +149,10 @@ def test_xarray_opens_layers_with_named_dims(store, raw):
     # labels live beside the features group; attach them as a coordinate
     labeled = ds.assign_coords(label=("sample", open_features(store).labels))
     assert labeled["layer4"].sel(sample=labeled.label == 3).sizes["sample"] == N // 10
+    # or the whole store as a tree: labels and done at the root, the layers under /features
+    tree = xr.open_datatree(store, engine="zarr", consolidated=False)
+    assert tree["labels"].dtype == np.int64 and tree["labels"].values.tolist() == [i % 10 for i in range(N)]
+    assert tree["features"]["layer4"].dims == ds["layer4"].dims and tree.attrs["status"] == "complete"
 
 
 def test_dataset_items_equal_store(store, raw):
