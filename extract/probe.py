@@ -74,7 +74,7 @@ def probe(
 ) -> dict[str, float]:
     """Test accuracy of a linear probe on each layer (all stored layers by default); logs one line each."""
     features = open_features(store)
-    labelled = np.flatnonzero(features.labels >= 0)
+    labelled = np.flatnonzero((features.labels >= 0) & features.valid)
     if len(labelled) == 0:
         raise ExtractError(f"{store} has no labels (all -1): nothing to probe")
     train, test = split(labelled, test_fraction, seed)

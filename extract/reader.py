@@ -109,7 +109,8 @@ class Features:
 
     ``layers``, ``shapes`` (per-sample feature shape) and ``dtypes`` describe the stored layers;
     ``labels`` is (N,) int64 with -1 where the dataset had none; ``attrs`` is the job's metadata;
-    ``present`` marks the samples written so far (all of them when ``complete``).
+    ``present`` marks the samples written so far (all of them when ``complete``), ``valid`` those of
+    them whose image could be read.
     """
 
     path: Path
@@ -156,6 +157,14 @@ class Features:
         """(N,) bool: the samples whose chunk is marked done; use it as an ``index`` to read only those."""
         done = self.store.array("done")[:]
         return np.repeat(done, self.chunk_size)[: self.num_samples]
+
+    @cached_property
+    def valid(self) -> np.ndarray:
+        """(N,) bool: present samples that have features; an image that could not be decoded under
+        ``--skip-bad-images`` is stored as NaN with valid False (stores without the array: ``present``)."""
+        if "valid" not in self.store.group.array_keys():
+            return self.present
+        return self.store.array("valid")[:] & self.present
 
     def __len__(self) -> int:
         return self.num_samples

@@ -56,7 +56,7 @@ def test_open_describes_the_store(store):
     assert features.shapes == {"layer3": (256, 2, 2), "layer4": (512, 1, 1)}
     assert features.dtypes == {"layer3": np.float16, "layer4": np.float16}
     assert len(features) == features.num_samples == N and features.chunk_size == CHUNK
-    assert features.complete and features.present.all()
+    assert features.complete and features.present.all() and features.valid.all()
     assert features.labels.tolist() == [i % 10 for i in range(N)]
     assert features.attrs["model"] == "resnet18" and features.attrs["job"]["weights"] == "none"
     assert features.array("layer3").shape == (N, 256, 2, 2)
@@ -132,6 +132,7 @@ def test_partial_store_refused_unless_asked(partial, raw):
     features = open_features(partial, allow_partial=True)
     assert not features.complete
     assert features.present.tolist() == [not CHUNK <= i < 2 * CHUNK for i in range(N)]
+    assert np.array_equal(features.valid, features.present)
     present = features.load("layer4", features.present)
     assert np.array_equal(present, raw["layer4"][features.present].astype(np.float32))
     assert np.isnan(features.load("layer4", slice(CHUNK, 2 * CHUNK))).all()
