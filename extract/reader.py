@@ -73,24 +73,33 @@ def _count(selection: slice | np.ndarray) -> int:
     return selection.stop - selection.start if isinstance(selection, slice) else len(selection)
 
 
-def _read(array: zarr.Array, selection: slice | np.ndarray, out: NDBuffer | None = None) -> np.ndarray:
+def _read(array: zarr.Array, selection: slice | np.ndarray, into: np.ndarray) -> np.ndarray:
+    """Read ``selection`` into the first rows of ``into`` (zarr copies each decoded chunk there) and
+    return those rows."""
+    target = into[: _count(selection)]
+    out = NDBuffer.from_numpy_array(target)
     if isinstance(selection, slice):
-        return array.get_basic_selection(selection, out=out)  # type: ignore[return-value]
-    return array.get_orthogonal_selection((selection,), out=out)  # type: ignore[return-value]
+        array.get_basic_selection(selection, out=out)
+    else:
+        array.get_orthogonal_selection((selection,), out=out)
+    return target
 
 
 def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iterator[np.ndarray]:
-    """The blocks in order, the next one decoded (by zarr's threads, the GIL released) while the
-    caller converts and pools this one."""
+    """The blocks in order, each in one of two reused buffers (fresh ones would page-fault on every
+    block), the next decoded by zarr's threads while the caller converts and pools this one. A
+    yielded block is valid until the caller asks for the one after next."""
+    rows = max(map(_count, selections), default=0)
+    buffers = [np.empty((rows, *array.shape[1:]), dtype=array.dtype) for _ in range(min(2, len(selections)))]
     if len(selections) <= 1:
-        yield from (_read(array, selection) for selection in selections)
+        yield from (_read(array, selection, buffers[0]) for selection in selections)
         return
     with ThreadPoolExecutor(1, thread_name_prefix="extract-read") as background:
-        upcoming = background.submit(_read, array, selections[0])
-        for following in [*selections[1:], None]:
+        upcoming = background.submit(_read, array, selections[0], buffers[0])
+        for k in range(len(selections)):
             block = upcoming.result()
-            if following is not None:
-                upcoming = background.submit(_read, array, following)
+            if k + 1 < len(selections):
+                upcoming = background.submit(_read, array, selections[k + 1], buffers[(k + 1) % 2])
             yield block
 
 
@@ -206,7 +215,7 @@ class Features:
             # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
             target = out.numpy()
             for selection, at in blocks:
-                _read(array, selection, NDBuffer.from_numpy_array(target[at : at + _count(selection)]))
+                _read(array, selection, target[at:])
         else:
             compute_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
             for (_, at), block in zip(blocks, _prefetched(array, [selection for selection, _ in blocks]), strict=True):
