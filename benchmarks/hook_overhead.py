@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torchvision
 from torch import nn
@@ -50,6 +52,15 @@ from extract.spec import JobSpec  # noqa: E402
 from extract.staging import HostStaging  # noqa: E402
 from extract.store import FeatureStore  # noqa: E402
 from extract.writer import ChunkWriter  # noqa: E402
+
+
+def submit(writer: ChunkWriter, slot: Any, indices: torch.Tensor, labels: torch.Tensor) -> None:
+    """``ChunkWriter.submit``, with every sample valid where the writer takes a ``valid`` mask."""
+    if "valid" in inspect.signature(writer.submit).parameters:
+        writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
+    else:
+        writer.submit(slot, indices, labels)
+
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STORE_DTYPE = JobSpec.dtype  # "float16"
@@ -236,7 +247,7 @@ class CaptureStore(Variant):
         self.capture.forward(x)
         self.staging.seal(slot)
         indices = torch.arange(self.next, self.next + rows)
-        self.writer.submit(slot, indices, torch.zeros(rows, dtype=torch.int64))
+        submit(self.writer, slot, indices, torch.zeros(rows, dtype=torch.int64))
         self.next += rows
 
     def finish(self):
