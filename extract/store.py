@@ -151,7 +151,10 @@ class FeatureStore:
 
     def array(self, name: str) -> zarr.Array:
         if name not in self._arrays:
-            self._arrays[name] = self.group[name]  # type: ignore[assignment]
+            # Every chunk written here is real data: skip zarr's scan of each chunk for "all fill value"
+            # (write_empty_chunks=False), which costs as much CPU as zstd-1 encoding it (benchmarks/RESULTS.md).
+            array: zarr.Array = self.group[name]  # type: ignore[assignment]
+            self._arrays[name] = array.with_config({"write_empty_chunks": True})
         return self._arrays[name]
 
     def layers(self) -> list[str]:
