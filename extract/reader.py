@@ -25,7 +25,7 @@ Index = slice | Sequence[int] | np.ndarray | None
 
 # Rows are decoded this many bytes at a time: zarr decodes the chunks of one read concurrently, and
 # a bounded block keeps pooling and dtype conversion from ever holding a whole unpooled layer.
-READ_BLOCK_BYTES = 128 * 2**20
+READ_BLOCK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
