@@ -77,7 +77,9 @@ class Clock:
         self.cuda = device.type == "cuda"
 
     @contextlib.contextmanager
-    def measure(self, out: list[float]):
+    def measure(self, out: list[float], cpu: list[float]):
+        """Appends the block's wall seconds to ``out`` and the process's CPU seconds (all threads) to ``cpu``."""
+        c0 = time.process_time()
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,6 +92,7 @@ class Clock:
             t0 = time.perf_counter()
             yield
             out.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
 
 
 # -------------------------------------------------------------------------------------------- variants
@@ -533,6 +536,7 @@ def benchmark(args: argparse.Namespace, device: torch.device, workdir: Path) -> 
     # Every variant registers its hooks in setup() and removes them in close(): only its own are on.
     clock = Clock(device)
     seconds: dict[str, list[float]] = {v.name: [] for v in variants}
+    cpu_seconds: dict[str, list[float]] = {v.name: [] for v in variants}
     with torch.inference_mode(), autocast:
         for v in variants:  # warm-up
             v.setup()
@@ -549,7 +553,7 @@ def benchmark(args: argparse.Namespace, device: torch.device, workdir: Path) -> 
             order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
             for v in order:
                 v.setup()
-                with clock.measure(seconds[v.name]):
+                with clock.measure(seconds[v.name], cpu_seconds[v.name]):
                     for _ in range(batches):
                         v.run(x)
                     v.finish()
@@ -568,6 +572,9 @@ def benchmark(args: argparse.Namespace, device: torch.device, workdir: Path) -> 
             "label": v.label,
             "images_per_second": med,
             "images_per_second_all": ips,
+            # CPU seconds of the whole process per image: less sensitive than wall time to other
+            # processes on the machine, but it counts what the writer threads take from the forward.
+            "cpu_ms_per_image": statistics.median(c / num_samples * 1e3 for c in cpu_seconds[v.name]),
             "host_bytes_per_second": med * v.bytes_per_image if cuda else None,
         }
         if isinstance(v, CaptureStore) and v.stored:
@@ -597,12 +604,13 @@ def benchmark(args: argparse.Namespace, device: torch.device, workdir: Path) -> 
 
 def print_table(result: dict[str, Any], cuda: bool) -> None:
     print()
-    header = f"{'':<10} {'variant':<62} {'img/s':>9}"
+    header = f"{'':<10} {'variant':<62} {'img/s':>9} {'CPU ms/img':>11}"
     if cuda:
         header += f" {'host GB/s':>10}"
     print(header)
     for name, row in result["results"].items():
-        line = f"{name:<10} {row['label']:<62} {row['images_per_second']:>9.1f}"
+        cpu_ms = f"{row['cpu_ms_per_image']:>11.1f}" if "cpu_ms_per_image" in row else f"{'':>11}"
+        line = f"{name:<10} {row['label']:<62} {row['images_per_second']:>9.1f} {cpu_ms}"
         if cuda and row.get("host_bytes_per_second"):
             line += f" {row['host_bytes_per_second'] / 1e9:>10.2f}"
         if "peak_rss_mib" in row:

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU checks for extract, one script: CUDA tests + the hook/throughput benchmark on the GPU.
+#
+#   bash benchmarks/gpu_check.sh [OUTDIR]      (default: $OUT, else ./gpu-check)
+#
+# Expects Python with torch (CUDA) and accelerate. If `import zarr` fails, installs zarr and its
+# dependencies from the wheels in $EXTRACT_WHEELS (default .whl; see benchmarks/README.md) into
+# /tmp/site without the network. Every step has a timeout; their sum (450 s) keeps the script under 8 minutes.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+OUTDIR="${1:-${OUT:-$PWD/gpu-check}}"
+mkdir -p "$OUTDIR"
+PY="${PYTHON:-python}"
+WHEELS="${EXTRACT_WHEELS:-.whl}"
+status=0
+
+step() {  # step NAME SECONDS CMD...: run with a timeout, log to $OUTDIR/NAME.log, remember failures
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (timeout ${seconds}s): $*" | tee -a "$OUTDIR/summary.txt"
+  local start=$SECONDS
+  timeout --kill-after=10 "$seconds" "$@" >"$OUTDIR/$name.log" 2>&1
+  local rc=$?
+  echo "   -> exit $rc after $((SECONDS - start)) s" | tee -a "$OUTDIR/summary.txt"
+  tail -n 25 "$OUTDIR/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+: >"$OUTDIR/summary.txt"
+if ! "$PY" -c 'import zarr' 2>/dev/null; then
+  echo "zarr missing: installing from $WHEELS" | tee -a "$OUTDIR/summary.txt"
+  step install 40 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+step environment 20 "$PY" -c '
+import torch, zarr, numcodecs, accelerate, torchvision
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+print("torchvision", torchvision.__version__, "zarr", zarr.__version__, "numcodecs", numcodecs.__version__,
+      "accelerate", accelerate.__version__)
+'
+command -v nvidia-smi >/dev/null && nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1
+
+step tests 110 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUTDIR/test_cuda.xml"
+
+# resnet50 layer3+layer4, batch 256, bf16 autocast, channels_last; side-stream (HostStaging) vs
+# compute-stream (value.to('cpu')) copies for (d) and (e); (f) is the CLI end to end.
+step benchmark 170 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
+  --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 3 --warmup 2 \
+  --copy both --cli-samples 2048 --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda.json"
+
+# (e) alone with more writer threads: on a GPU the writer (encode + write on the CPU) is the limit.
+step writer_threads 50 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
+  --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 2 --warmup 1 --variants be \
+  --writer-threads 8 --no-micro --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda_writer8.json"
+
+step rss 60 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
+  --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
+
+rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss
+echo "logs and JSON in $OUTDIR" | tee -a "$OUTDIR/summary.txt"
+exit "$status"
