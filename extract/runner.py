@@ -186,7 +186,7 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
-    """ "create", "resume" or "complete" for the store found at --out; refuses another job's store."""
+    """What to do with the store found at --out: create, resume or complete; refuses another job's."""
     if existing is None:
         return "create"
     if existing.get("fingerprint") == job.attrs["fingerprint"]:
@@ -201,11 +201,11 @@ def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
     )
 
 
-def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None) -> tuple[int, int]:
+def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None) -> None:
     """Forward this rank's chunks under the capture and hand them to the writer.
 
-    Returns (chunks written, invalid samples). Raises ``Interrupted`` after a signal, and
-    ``ExtractError`` naming an undecodable image, each after writing the chunks already complete.
+    Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
+    after writing the chunks already complete.
     """
     spec, device = job.spec, job.state.device
     loader = DataLoader(
@@ -216,7 +216,7 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=spec.writer_threads)
-    bad_image, invalid = None, 0
+    bad_image = None
     try:
         with (
             StopRequests() as stop,
@@ -235,11 +235,9 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
                         break
                     raise
                 valid = np.array([not error for error in errors])
-                if not valid.all():
-                    if not spec.skip_bad_images:
-                        bad_image = next(error for error in errors if error)
-                        break
-                    invalid += int((~valid).sum())
+                if not (valid.all() or spec.skip_bad_images):
+                    bad_image = next(error for error in errors if error)
+                    break
                 slot = staging.acquire(writer.check)
                 cap.forward(images.to(device, non_blocking=True, memory_format=job.memory_format))
                 staging.seal(slot)
@@ -262,7 +260,6 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
             f"cannot decode image {bad_image}; fix or remove it, or pass --skip-bad-images "
             f"({writer.chunks_written} chunks written; a rerun resumes)"
         )
-    return writer.chunks_written, invalid
 
 
 def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | None = None) -> Summary:

@@ -176,7 +176,7 @@ def test_write_error_stops_the_run_and_a_rerun_completes(cli, tmp_path, monkeypa
     )
 
 
-LONG_N = 480
+LONG_N = 800
 LONG = [*SMALL, "--image-size", "64", "--data", f"synthetic:{LONG_N}", "--chunk-size", "8", "--batch-size", "8"]
 
 
@@ -209,18 +209,29 @@ def _assert_consistent(out):
     return int(done.sum())
 
 
+@pytest.fixture(scope="module")
+def clean_long_store(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "clean.zarr"
+    assert run_cli(*LONG, "--out", out).returncode == 0
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGTERM-process", "SIGINT-launcher-2-ranks"])
-def test_preemption_writes_what_is_done_and_a_rerun_completes(cli, tmp_path, how):
+@pytest.mark.parametrize("how", ["SIGTERM-process", "SIGINT-launcher-2-ranks", "SIGTERM-one-of-2-ranks"])
+def test_preemption_writes_what_is_done_and_a_rerun_completes(tmp_path, how, clean_long_store):
     from test_distributed import launcher as accelerate_launcher
 
     out = tmp_path / "pre.zarr"
-    launcher = accelerate_launcher(2) if "launcher" in how else None
+    launcher = accelerate_launcher(2) if "ranks" in how else None
     job = _start(out, launcher)
     _wait_for_chunks(job, out)
     sent = time.time()
     if how == "SIGTERM-process":
         job.send_signal(signal.SIGTERM)
+    elif how == "SIGTERM-one-of-2-ranks":
+        from test_distributed import _rank_pids
+
+        os.kill(_rank_pids(job.pid)[-1], signal.SIGTERM)  # the launcher then stops the other rank
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
     _, err = job.communicate(timeout=60)
@@ -236,11 +247,9 @@ def test_preemption_writes_what_is_done_and_a_rerun_completes(cli, tmp_path, how
     result = run_cli(*LONG, "--out", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"{finished} of {LONG_N // 8} chunks already done" in result.stderr
-    code, _, err = cli(*LONG, "--out", tmp_path / "clean.zarr")
-    assert code == 0
     np.testing.assert_array_equal(
         zarr.open_group(out, mode="r")["features/layer3"][:],
-        zarr.open_group(tmp_path / "clean.zarr", mode="r")["features/layer3"][:],
+        zarr.open_group(clean_long_store, mode="r")["features/layer3"][:],
     )
 
 
