@@ -385,3 +385,42 @@ def test_summary_and_attributes(cli, tmp_path):
     assert attrs["summary"]["samples"] == 9 and attrs["summary"]["bytes_stored"] > 0
     assert attrs["job"]["layers"] == ["layer3"] and attrs["dtype"] == "float16"
     assert zarr.open_group(out, mode="r")["features/layer3"].dtype == np.float16
+
+
+def test_cached_torchvision_weights_are_used_offline(tmp_path):
+    """--weights DEFAULT loads from the torch hub cache when the file is there (no network needed)."""
+    from torchvision.models import ResNet18_Weights
+
+    model = resnet18(seed=7)
+    cache = tmp_path / "hub" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(model.state_dict(), cache / ResNet18_Weights.DEFAULT.url.rsplit("/", 1)[1])
+    out = tmp_path / "cached.zarr"
+    offline = {"TORCH_HOME": str(tmp_path / "hub"), "https_proxy": "http://127.0.0.1:9"}
+    result = run_cli(
+        "--model",
+        "resnet18",
+        "--layers",
+        "layer4",
+        "--pool",
+        "avg",
+        "--data",
+        "synthetic:3",
+        "--out",
+        out,
+        "--image-size",
+        "32",
+        "--dtype",
+        "float32",
+        "--num-workers",
+        "0",
+        env=offline,
+    )
+    assert result.returncode == 0, result.stderr
+    from extract.data import SyntheticImages
+    from extract.models import imagenet_preset
+
+    images = torch.stack([SyntheticImages(3, 32, imagenet_preset(32))[i][0] for i in range(3)])
+    expected = reference(model, images, {"layer4": ("layer4", None)}, pool="avg")["layer4"]
+    assert np.abs(read(out, "layer4") - expected).max() <= 1e-5
+    assert zarr.open_group(out, mode="r").attrs["weights"] == "ResNet18_Weights.IMAGENET1K_V1"
