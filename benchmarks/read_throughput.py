@@ -11,7 +11,8 @@ Then, median of ``--repeats`` interleaved timings each:
                   ``DataLoader`` with ``--workers`` workers (per-sample items, collated into batches)
     c  npy        ``np.load(mmap_mode="r")`` copied into memory sequentially, chunk by chunk
 
-GB/s are of stored-dtype (float16) bytes, 1 GB = 1e9 B. Everything is read warm: the files were just
+GB/s are of stored-dtype (float16) bytes, 1 GB = 1e9 B; GB/CPU-s divides by the CPU time the variant
+used (all threads and worker processes), which other load on the machine barely changes. Everything is read warm: the files were just
 written and each variant runs once untimed first, so both sides come from the page cache and the
 comparison is decode cost against memcpy, not disk.
 
@@ -25,6 +26,7 @@ import inspect
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -90,19 +92,30 @@ def make_data(
     return store_path, npy_path, num_samples, plan.chunk_size
 
 
-def timed(variants: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds per variant. The variants are interleaved, so a slow spell on a shared machine
-    hits all of them rather than one; each runs once untimed first (page cache, zarr's event loop
-    and threads, DataLoader imports)."""
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (DataLoader workers), all threads."""
+    return sum(
+        r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
+def timed(variants: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall seconds and median CPU seconds per variant. The variants are interleaved, so a slow
+    spell on a shared machine hits all of them rather than one; each runs once untimed first (page
+    cache, zarr's event loop and threads, DataLoader imports). CPU seconds say what a variant costs
+    whatever else the machine is doing."""
     for run in variants.values():
         run()
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, run in variants.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu_seconds()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(cpu_seconds() - start_cpu)
+    median = statistics.median
+    return {name: median(values) for name, values in wall.items()}, {name: median(v) for name, v in cpu.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
+    load_before = round(os.getloadavg()[0], 2)  # other work on the machine skews every variant
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         store_path, npy_path, num_samples, chunk_size = make_data(
@@ -144,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             assert sum(len(labels) for _, labels in loader) == num_samples
 
         assert np.array_equal(features.load(LAYER, slice(0, 3), dtype=None), np.load(npy_path, mmap_mode="r")[:3])
-        seconds = timed(
+        seconds, cpu = timed(
             {
                 "a_reader_float16": lambda: features.load(LAYER, dtype=None),
                 "a_reader_float32": lambda: features.load(LAYER),
@@ -155,11 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     rates = {name: raw_bytes / s / 1e9 for name, s in seconds.items()}
+    per_cpu = {name: raw_bytes / max(s, 1e-9) / 1e9 for name, s in cpu.items()}
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
         "python": platform.python_version(),
         "versions": {"torch": torch.__version__, "zarr": zarr.__version__, "numpy": np.__version__},
         "zarr_config": {"async.concurrency": zarr.config.get("async.concurrency")},
+        "load_average_1min": {"before": load_before, "after": round(os.getloadavg()[0], 2)},
         "num_samples": num_samples,
         "shape": args.shape,
         "chunk_size": chunk_size,
@@ -173,16 +189,20 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
         "gb_per_s": {k: round(v, 3) for k, v in rates.items()},
+        "cpu_seconds": {k: round(v, 4) for k, v in cpu.items()},
+        "gb_per_cpu_second": {k: round(v, 3) for k, v in per_cpu.items()},
         "a_over_c": round(rates["a_reader_float16"] / rates["c_npy_mmap_sequential"], 3),
     }
     print(
         f"{num_samples} samples x {args.shape} float16 = {raw_bytes / 1e6:.0f} MB raw, {stored_bytes / 1e6:.0f} MB "
         f"stored ({args.compressor}, {result['compression_ratio']}x, {zero_fraction:.0%} zeros), chunk {chunk_size}"
     )
-    print(f"{'variant':<28} {'seconds':>8} {'GB/s':>7}")
+    print(f"{'variant':<28} {'seconds':>8} {'GB/s':>7} {'CPU s':>7} {'GB/CPU-s':>9}")
     for name, s in seconds.items():
-        print(f"{name:<28} {s:>8.3f} {rates[name]:>7.2f}")
-    print(f"(a) / (c) = {result['a_over_c']:.2f}  (target >= 0.5)")
+        print(f"{name:<28} {s:>8.3f} {rates[name]:>7.2f} {cpu[name]:>7.3f} {per_cpu[name]:>9.2f}")
+    print(
+        f"(a) / (c) = {result['a_over_c']:.2f}  (target >= 0.5); 1-min load average {load_before} -> {result['load_average_1min']['after']}"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
