@@ -334,7 +334,9 @@ def micro(calls: int = 20000, repeats: int = 7) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ CLI (f)
 
 
-def run_cli(args: argparse.Namespace, num_samples: int, out: Path, model: str, image_size: int) -> dict[str, Any]:
+def run_cli(
+    args: argparse.Namespace, num_samples: int, out: Path, model: str, image_size: int, batch_size: int
+) -> dict[str, Any]:
     """``python -m extract`` in a subprocess; img/s from the store's summary, peak RSS from ``wait4``."""
     command = [
         sys.executable,
@@ -351,7 +353,7 @@ def run_cli(args: argparse.Namespace, num_samples: int, out: Path, model: str, i
         "--image-size",
         str(image_size),
         "--batch-size",
-        str(args.batch_size),
+        str(batch_size),
         "--out",
         str(out),
         "--overwrite",
@@ -392,7 +394,7 @@ def rss_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     size = args.image_size if args.image_size_given else 64
     runs = {}
     for n in args.rss_n:
-        runs[n] = run_cli(args, n, workdir / f"rss{n}.zarr", model, size)
+        runs[n] = run_cli(args, n, workdir / f"rss{n}.zarr", model, size, args.batch_size or JobSpec.batch_size)
         print(
             f"(f) N={n:>6}: {runs[n]['images_per_second']:8.1f} img/s  peak RSS {runs[n]['peak_rss_mib']:8.1f} MiB",
             flush=True,
@@ -582,7 +584,7 @@ def benchmark(args: argparse.Namespace, device: torch.device, workdir: Path) -> 
 
     if "f" in wanted:
         n = args.cli_samples or num_samples * 2
-        f = run_cli(args, n, workdir / "cli.zarr", args.model, args.image_size)
+        f = run_cli(args, n, workdir / "cli.zarr", args.model, args.image_size, batch_size)
         rows["f"] = {"label": "python -m extract, synthetic data, end to end", **f}
 
     def ratio(p: str, q: str) -> float | None:
