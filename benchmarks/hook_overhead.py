@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -55,11 +54,8 @@ from extract.writer import ChunkWriter  # noqa: E402
 
 
 def submit(writer: ChunkWriter, slot: Any, indices: torch.Tensor, labels: torch.Tensor) -> None:
-    """``ChunkWriter.submit``, with every sample valid where the writer takes a ``valid`` mask."""
-    if "valid" in inspect.signature(writer.submit).parameters:
-        writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
-    else:
-        writer.submit(slot, indices, labels)
+    """``ChunkWriter.submit`` with every sample valid."""
+    writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
 
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -22,7 +22,6 @@ comparison is decode cost against memcpy, not disk.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -81,10 +80,7 @@ def make_data(
         start, stop = plan.bounds(chunk)
         values = activations(stop - start, shape, rng)
         labels = np.arange(start, stop) % 10
-        if "valid" in inspect.signature(store.write_chunk).parameters:  # stores with a per-sample valid mask
-            store.write_chunk(chunk, start, stop, {LAYER: values}, labels, np.ones(stop - start, dtype=bool))
-        else:
-            store.write_chunk(chunk, start, stop, {LAYER: values}, labels)
+        store.write_chunk(chunk, start, stop, {LAYER: values}, labels, np.ones(stop - start, dtype=bool))
         npy[start:stop] = values
     npy.flush()
     del npy

@@ -20,7 +20,6 @@ the compression ratio (raw bytes / bytes on disk).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -48,11 +47,8 @@ from extract.writer import ChunkWriter  # noqa: E402
 
 
 def submit(writer: ChunkWriter, slot: Any, indices: torch.Tensor, labels: torch.Tensor) -> None:
-    """``ChunkWriter.submit``, with every sample valid where the writer takes a ``valid`` mask."""
-    if "valid" in inspect.signature(writer.submit).parameters:
-        writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
-    else:
-        writer.submit(slot, indices, labels)
+    """``ChunkWriter.submit`` with every sample valid."""
+    writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
 
 
 SHAPES = {"layer3": (1024, 14, 14), "layer4": (2048, 7, 7)}

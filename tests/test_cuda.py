@@ -35,12 +35,7 @@ def slow_product(n: int = 4096, repeats: int = 4) -> torch.Tensor:
 
 
 def submit(writer: ChunkWriter, slot, indices: torch.Tensor, labels: torch.Tensor) -> None:
-    import inspect
-
-    if "valid" in inspect.signature(writer.submit).parameters:
-        writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
-    else:
-        writer.submit(slot, indices, labels)
+    writer.submit(slot, indices, labels, np.ones(len(indices), dtype=bool))
 
 
 def test_pinned_slots_are_reused():
