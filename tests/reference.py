@@ -54,3 +54,11 @@ def reference(
     for h in handles:
         h.remove()
     return {k: v.float().numpy() for k, v in outputs.items()}
+
+
+def synthetic_images(count: int, size: int = 32) -> torch.Tensor:
+    """The first ``count`` images of ``--data synthetic:N`` at ``--image-size size``, preprocessed."""
+    from extract.data import SyntheticImages
+
+    dataset = SyntheticImages(count, size, preset(size))
+    return torch.stack([dataset[i][0] for i in range(count)])

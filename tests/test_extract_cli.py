@@ -8,7 +8,7 @@ import pytest
 import torch
 import zarr
 from conftest import TINY, run_cli
-from reference import load_images, reference, resnet18
+from reference import load_images, reference, resnet18, synthetic_images
 
 
 def read(store, layer):
@@ -76,10 +76,7 @@ def test_filelist_with_labels_and_pooling(cli, filelist, tmp_path):
 def test_tuple_output_selector_and_token_pools(cli, tmp_path):
     from tiny_models import tiny_vit
 
-    from extract.data import SyntheticImages
-    from extract.models import imagenet_preset
-
-    images = torch.stack([SyntheticImages(6, 32, imagenet_preset(32))[i][0] for i in range(6)])
+    images = synthetic_images(6)
     attention = "encoder.layers.encoder_layer_1.self_attention"
     for pool in ("cls", "mean"):
         out = tmp_path / f"{pool}.zarr"
@@ -103,28 +100,12 @@ def test_tuple_output_selector_and_token_pools(cli, tmp_path):
 def test_dict_output_key_selector(cli, tmp_path):
     from tiny_models import dict_net
 
-    from extract.data import SyntheticImages
-    from extract.models import imagenet_preset
-
-    images = torch.stack([SyntheticImages(5, 32, imagenet_preset(32))[i][0] for i in range(5)])
+    images = synthetic_images(5)
     out = tmp_path / "d.zarr"
     code, _, err = cli(
-        "--model",
-        f"{TINY}:dict_net",
-        "--layers",
-        "heads:map",
-        "heads:pooled",
-        "--data",
-        "synthetic:5",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-        "--dtype",
-        "float32",
-        "--num-workers",
-        "0",
-    )
+        "--model", f"{TINY}:dict_net", "--layers", "heads:map", "heads:pooled", "--data", "synthetic:5",
+        "--out", out, "--image-size", "32", "--dtype", "float32", "--num-workers", "0",
+    )  # fmt: skip
     assert code == 0, err
     expected = reference(
         dict_net().eval(), images, {"heads:map": ("heads", "map"), "heads:pooled": ("heads", "pooled")}
@@ -138,25 +119,10 @@ def test_truncated_equals_untruncated(cli, tmp_path):
     for flag in ([], ["--no-truncate"]):
         out = tmp_path / f"t{len(flag)}.zarr"
         code, _, err = cli(
-            "--model",
-            "resnet18",
-            "--weights",
-            "none",
-            "--layers",
-            "layer2",
-            "layer3.1.bn2",
-            "--data",
-            "synthetic:10",
-            "--out",
-            out,
-            "--image-size",
-            "32",
-            "--batch-size",
-            "4",
-            "--num-workers",
-            "0",
+            "--model", "resnet18", "--weights", "none", "--layers", "layer2", "layer3.1.bn2", "--data",
+            "synthetic:10", "--out", out, "--image-size", "32", "--batch-size", "4", "--num-workers", "0",
             *flag,
-        )
+        )  # fmt: skip
         assert code == 0, err
         stores[len(flag)] = out
     for layer in ("layer2", "layer3.1.bn2"):
@@ -168,25 +134,10 @@ def test_inplace_op_after_hooked_layer_does_not_corrupt_capture(cli, png_tree, t
     root, files = png_tree
     out = tmp_path / "bn1.zarr"
     code, _, err = cli(
-        "--model",
-        "resnet18",
-        "--weights",
-        "none",
-        "--layers",
-        "bn1",
-        "layer1.0.bn2",
-        "--data",
-        f"imagefolder:{root}",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-        "--dtype",
-        "float32",
-        "--num-workers",
-        "0",
+        "--model", "resnet18", "--weights", "none", "--layers", "bn1", "layer1.0.bn2", "--data",
+        f"imagefolder:{root}", "--out", out, "--image-size", "32", "--dtype", "float32", "--num-workers", "0",
         "--no-truncate",
-    )
+    )  # fmt: skip
     assert code == 0, err
     expected = reference(resnet18(), load_images([f for f, _ in files], 32), {"bn1": ("bn1", None)})
     stored = read(out, "bn1")
@@ -200,30 +151,11 @@ def test_checkpoint_is_loaded(cli, tmp_path):
     torch.save({"state_dict": model.state_dict()}, checkpoint)
     out = tmp_path / "ck.zarr"
     code, _, err = cli(
-        "--model",
-        "resnet18",
-        "--checkpoint",
-        checkpoint,
-        "--layers",
-        "layer4",
-        "--pool",
-        "avg",
-        "--data",
-        "synthetic:4",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-        "--dtype",
-        "float32",
-        "--num-workers",
-        "0",
-    )
+        "--model", "resnet18", "--checkpoint", checkpoint, "--layers", "layer4", "--pool", "avg", "--data",
+        "synthetic:4", "--out", out, "--image-size", "32", "--dtype", "float32", "--num-workers", "0",
+    )  # fmt: skip
     assert code == 0, err
-    from extract.data import SyntheticImages
-    from extract.models import imagenet_preset
-
-    images = torch.stack([SyntheticImages(4, 32, imagenet_preset(32))[i][0] for i in range(4)])
+    images = synthetic_images(4)
     expected = reference(model, images, {"layer4": ("layer4", None)}, pool="avg")["layer4"]
     assert np.abs(read(out, "layer4") - expected).max() <= 1e-5
     assert zarr.open_group(out, mode="r").attrs["weights"] == f"checkpoint {checkpoint}"
@@ -281,19 +213,9 @@ def test_list_layers(cli):
 def test_unknown_layer_exits_2_with_suggestions_and_creates_nothing(tmp_path):
     out = tmp_path / "never.zarr"
     result = run_cli(
-        "--model",
-        "resnet18",
-        "--weights",
-        "none",
-        "--layers",
-        "layer5",
-        "--data",
-        "synthetic:4",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-    )
+        "--model", "resnet18", "--weights", "none", "--layers", "layer5", "--data", "synthetic:4", "--out",
+        out, "--image-size", "32",
+    )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
@@ -360,23 +282,9 @@ def test_weights_download_fails_with_clear_message(tmp_path):
 def test_summary_and_attributes(cli, tmp_path):
     out = tmp_path / "s.zarr"
     code, _, err = cli(
-        "--model",
-        "resnet18",
-        "--weights",
-        "none",
-        "--layers",
-        "layer3",
-        "--data",
-        "synthetic:9",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-        "--num-workers",
-        "0",
-        "--chunk-size",
-        "4",
-    )
+        "--model", "resnet18", "--weights", "none", "--layers", "layer3", "--data", "synthetic:9", "--out",
+        out, "--image-size", "32", "--num-workers", "0", "--chunk-size", "4",
+    )  # fmt: skip
     assert code == 0, err
     assert "SYNTHETIC" in err
     summary = [line for line in err.splitlines() if "samples in" in line][-1]
@@ -417,10 +325,7 @@ def test_cached_torchvision_weights_are_used_offline(tmp_path):
         env=offline,
     )
     assert result.returncode == 0, result.stderr
-    from extract.data import SyntheticImages
-    from extract.models import imagenet_preset
-
-    images = torch.stack([SyntheticImages(3, 32, imagenet_preset(32))[i][0] for i in range(3)])
+    images = synthetic_images(3)
     expected = reference(model, images, {"layer4": ("layer4", None)}, pool="avg")["layer4"]
     assert np.abs(read(out, "layer4") - expected).max() <= 1e-5
     assert zarr.open_group(out, mode="r").attrs["weights"] == "ResNet18_Weights.IMAGENET1K_V1"

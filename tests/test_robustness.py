@@ -96,17 +96,9 @@ def test_skip_bad_images_records_them_invalid(cli, tmp_path, broken_tree):
     root, files, bad = broken_tree
     out = tmp_path / "skip.zarr"
     code, _, err = cli(
-        *SMALL,
-        "--data",
-        f"imagefolder:{root}",
-        "--out",
-        out,
-        "--chunk-size",
-        "4",
-        "--batch-size",
-        "3",
+        *SMALL, "--data", f"imagefolder:{root}", "--out", out, "--chunk-size", "4", "--batch-size", "3",
         "--skip-bad-images",
-    )
+    )  # fmt: skip
     assert code == 0, err
     assert "3 bad images skipped" in err
     group = zarr.open_group(out, mode="r")
