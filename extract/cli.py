@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -129,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         return 1
+    except BrokenPipeError:  # `--list-layers | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("extract: interrupted; rerun the same command to resume", file=sys.stderr, flush=True)
         return 130
