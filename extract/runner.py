@@ -94,7 +94,9 @@ def _autocast(device: torch.device, precision: str) -> Any:
     return torch.autocast(device.type, dtype=AUTOCAST[precision])
 
 
-def _default_workers(local_processes: int) -> int:
+def _default_workers() -> int:
+    """This machine's CPUs shared among the processes launched on it, at most 8 each."""
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return min(8, (os.cpu_count() or 1) // max(1, local_processes))
 
 
@@ -211,7 +213,7 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
     loader = DataLoader(
         job.dataset,
         batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
-        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(job.state.num_processes),
+        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
         pin_memory=device.type == "cuda",
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)

@@ -134,3 +134,22 @@ def test_writer_error_stops_the_run_and_marks_nothing_done(tmp_path, monkeypatch
     writer.abort()
     assert not store.array("done")[:].any()
     assert np.isnan(real[:]).all()
+
+
+def test_a_launcher_world_the_state_does_not_see_is_refused(monkeypatch):
+    """WORLD_SIZE=3 from the launcher but a one-process state: every process would write everything."""
+    import extract.dist
+    from extract.errors import ExtractError
+
+    class OneProcess:
+        num_processes = 1
+
+        def __init__(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(extract.dist, "PartialState", OneProcess)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ExtractError, match="started 3 processes but this one sees a world of 1"):
+        extract.dist.process_state()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert extract.dist.process_state().num_processes == 1
