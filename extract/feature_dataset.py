@@ -3,6 +3,7 @@ epochs read each chunk about once, also with several DataLoader workers."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
 class FeatureDataset(Dataset):
     """``(features, label)`` per sample: a float tensor for one layer, a ``{layer: tensor}`` dict for several.
 
-    Items are served from the last chunk read (per process), so consecutive indices in one chunk cost
-    one read; pair it with ``ChunkShuffleSampler`` for shuffled epochs. ``pool`` reduces each layer as
+    Items are served from the last ``cache_chunks`` chunks read (per process), so indices within them
+    cost no read; pair it with ``ChunkShuffleSampler`` (``window`` <= ``cache_chunks``) for shuffled
+    epochs. ``pool`` reduces each layer as
     ``Features.load`` does. The store is opened lazily in each process: only the path is pickled to
     DataLoader workers, never an open zarr handle.
     """
@@ -33,8 +35,10 @@ class FeatureDataset(Dataset):
         pool: str | None = None,
         dtype: str = "float32",
         allow_partial: bool = False,
+        cache_chunks: int = 1,
     ) -> None:
         self.path, self.pool, self.dtype, self.allow_partial = Path(path), pool, dtype, allow_partial
+        self.cache_chunks = max(1, cache_chunks)
         self.single = isinstance(layers, str)
         self.layers = [layers] if isinstance(layers, str) else list(layers)
         features = open_features(self.path, allow_partial=allow_partial)
@@ -47,12 +51,11 @@ class FeatureDataset(Dataset):
 
     def _reset(self) -> None:
         self._features: Features | None = None
-        self._cached_chunk = -1
-        self._cached: dict[str, torch.Tensor] = {}
+        self._cache: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_features=None, _cached_chunk=-1, _cached={})
+        state.update(_features=None, _cache=OrderedDict())
         return state
 
     def __len__(self) -> int:
@@ -63,36 +66,41 @@ class FeatureDataset(Dataset):
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
         index %= self.num_samples
         chunk, row = divmod(index, self.chunk_size)
-        if chunk != self._cached_chunk:
-            self._read_chunk(chunk)
-        values = {layer: self._cached[layer][row] for layer in self.layers}
+        cached = self._cache.get(chunk)
+        if cached is None:
+            cached = self._read_chunk(chunk)
+        else:
+            self._cache.move_to_end(chunk)
+        values = {layer: cached[layer][row] for layer in self.layers}
         return (values[self.layers[0]] if self.single else values), int(self.labels[index])
 
-    def _read_chunk(self, chunk: int) -> None:
+    def _read_chunk(self, chunk: int) -> dict[str, torch.Tensor]:
         if self._features is None:
             self._features = open_features(self.path, allow_partial=self.allow_partial)
         start = chunk * self.chunk_size
         rows = slice(start, min(start + self.chunk_size, self.num_samples))
-        self._cached_chunk = -1  # stays invalid if a read fails half-way
-        self._cached = {
+        values = {
             layer: self._features.load(layer, rows, pool=self.pool, dtype=self.dtype, as_torch=True)
             for layer in self.layers
         }
-        self._cached_chunk = chunk
+        self._cache[chunk] = values
+        while len(self._cache) > self.cache_chunks:
+            self._cache.popitem(last=False)
         self.chunk_reads += 1
+        return values
 
 
 class ChunkShuffleSampler(Sampler[list[int]]):
     """Batches of a shuffled epoch that touch each chunk about once; use as ``DataLoader(batch_sampler=...)``.
 
-    The chunk order is permuted, and samples are shuffled within their chunk (the window is one chunk,
-    which is what ``FeatureDataset``'s one-chunk cache holds). With ``num_workers`` > 1 the chunks are
+    The chunk order is permuted, and samples are shuffled within windows of ``window`` consecutive
+    chunks of that order (give ``FeatureDataset`` ``cache_chunks >= window`` so a window is read once).
+    A larger window mixes better (a store in class order, like ImageFolder's, needs one spanning
+    several classes) at the cost of caching that many chunks per worker. With ``num_workers`` > 1 the chunks are
     dealt to that many streams and their batches interleaved, because the DataLoader hands batch j to
     worker j % num_workers: each worker then reads only its own chunks. Streams end unevenly, so the
     last few batches may make a worker read a chunk another one also read.
 
-    Samples are mixed only within a chunk and across consecutive batches: if the dataset's order is
-    sorted by class (ImageFolder), a batch holds few classes.
     The permutation depends on ``seed`` and the epoch (``set_epoch``), not on global RNG state.
     """
 
@@ -103,11 +111,13 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         batch_size: int,
         *,
         num_workers: int = 0,
+        window: int = 1,
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        if min(num_samples, chunk_size, batch_size) < 1 or num_workers < 0:
-            raise ValueError("num_samples, chunk_size and batch_size must be positive, num_workers 0 or more")
+        if min(num_samples, chunk_size, batch_size, window) < 1 or num_workers < 0:
+            raise ValueError("num_samples, chunk_size, batch_size and window must be positive, num_workers 0 or more")
+        self.window = window
         self.num_samples, self.chunk_size, self.batch_size = num_samples, chunk_size, batch_size
         self.streams = max(1, num_workers)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
@@ -115,9 +125,10 @@ class ChunkShuffleSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _chunk_indices(self, chunk: int, rng: np.random.Generator) -> np.ndarray:
-        start = chunk * self.chunk_size
-        rows = np.arange(start, min(start + self.chunk_size, self.num_samples))
+    def _window_indices(self, chunks: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        rows = np.concatenate(
+            [np.arange(c * self.chunk_size, min((c + 1) * self.chunk_size, self.num_samples)) for c in chunks]
+        )
         return rng.permutation(rows) if self.shuffle else rows
 
     def _stream_chunks(self) -> list[np.ndarray]:
@@ -135,7 +146,8 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         rng = np.random.default_rng((self.seed, self.epoch, 1))
         streams = []
         for chunks in self._stream_chunks():
-            indices = np.concatenate([self._chunk_indices(int(c), rng) for c in chunks] or [np.empty(0, np.int64)])
+            windows = [chunks[i : i + self.window] for i in range(0, len(chunks), self.window)]
+            indices = np.concatenate([self._window_indices(w, rng) for w in windows] or [np.empty(0, np.int64)])
             streams.append([indices[i : i + self.batch_size].tolist() for i in range(0, len(indices), self.batch_size)])
         for step in range(max(map(len, streams))):
             for batches in streams:

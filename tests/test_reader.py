@@ -201,9 +201,9 @@ class ReadLoggingDataset(FeatureDataset):
     log = None
 
     def _read_chunk(self, chunk):
-        super()._read_chunk(chunk)
         with open(self.log, "a") as f:
             f.write(f"{chunk}\n")
+        return super()._read_chunk(chunk)
 
 
 def test_two_workers_cover_every_index_and_read_each_chunk_about_once(store, raw, tmp_path):
@@ -219,3 +219,16 @@ def test_two_workers_cover_every_index_and_read_each_chunk_about_once(store, raw
     reads = dataset.log.read_text().split()
     assert sorted(set(reads)) == [str(k) for k in range(N // CHUNK)]
     assert len(reads) <= N // CHUNK + 1  # only the uneven end of the two streams may repeat a chunk
+
+
+def test_window_mixes_several_chunks_per_batch_and_still_reads_each_once(store, raw):
+    dataset = FeatureDataset(store, "layer4", cache_chunks=3)
+    sampler = ChunkShuffleSampler(len(dataset), dataset.chunk_size, batch_size=6, window=3, seed=2)
+    batches = list(sampler)
+    order = [i for batch in batches for i in batch]
+    assert sorted(order) == list(range(N))
+    chunks_per_batch = [len({i // CHUNK for i in batch}) for batch in batches]
+    assert max(chunks_per_batch) >= 3  # a one-chunk window could never mix more than 2 chunks in a batch of 6
+    values = torch.cat([v for v, _ in DataLoader(dataset, batch_sampler=sampler)])
+    assert dataset.chunk_reads == -(-N // CHUNK)
+    assert np.array_equal(values.numpy(), raw["layer4"][order].astype(np.float32))
