@@ -19,7 +19,6 @@ class Slot:
     def __init__(self, buffers: dict[str, torch.Tensor], cuda: bool) -> None:
         self.buffers = buffers
         self.event = torch.cuda.Event() if cuda else None
-        self.rows = 0
 
 
 class HostStaging:
@@ -65,16 +64,13 @@ class HostStaging:
                 continue
 
     def release(self, slot: Slot) -> None:
-        slot.rows = 0
         self._free.put(slot)
 
     def stage(self, name: str, value: torch.Tensor) -> None:
         """Copy one layer's batch into the current slot; the capture hook's sink."""
         slot = self.current
         assert slot is not None, "acquire() a slot before the forward"
-        rows = value.shape[0]
-        target = slot.buffers[name][:rows]
-        slot.rows = rows
+        target = slot.buffers[name][: value.shape[0]]
         if self.copy_stream is None:
             target.copy_(value)
             return

@@ -157,9 +157,6 @@ class FeatureStore:
             self._arrays[name] = array.with_config({"write_empty_chunks": True})
         return self._arrays[name]
 
-    def layers(self) -> list[str]:
-        return list(self.attrs["layers"])
-
     def pending_chunks(self) -> list[int]:
         return np.flatnonzero(~self.array("done")[:]).tolist()
 

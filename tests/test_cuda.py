@@ -61,7 +61,6 @@ def test_side_stream_copy_sees_the_value_before_a_later_in_place_op():
     staging.seal(slot)
     HostStaging.wait(slot)
     torch.cuda.synchronize()
-    assert slot.rows == 64
     assert torch.equal(slot.buffers["x"][:64], expected.cpu())
     assert not torch.equal(slot.buffers["x"][:64], source.cpu())
 

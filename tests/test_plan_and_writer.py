@@ -71,7 +71,6 @@ def test_staging_copies_and_casts():
     value = torch.tensor([[1.0, -2.0], [3.5, 70000.0]])
     staging.stage("a", value)
     value.zero_()  # a later in-place op must not reach the slot
-    assert slot.rows == 2
     assert slot.buffers["a"][:2].tolist() == [[1.0, -2.0], [3.5, float("inf")]]
 
 
