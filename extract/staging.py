@@ -18,7 +18,7 @@ class Slot:
 
     def __init__(self, buffers: dict[str, torch.Tensor], cuda: bool) -> None:
         self.buffers = buffers
-        self.event = torch.cuda.Event() if cuda else None
+        self.event = torch.cuda.Event(blocking=True) if cuda else None  # the writer sleeps, not spins
 
 
 class HostStaging:

@@ -188,18 +188,21 @@ def test_mismatched_rerun_is_refused_and_overwrite_starts_afresh(cli, tmp_path):
     base = [*COMMON, "--data", "synthetic:6", "--chunk-size", "4", "--out", out]
     assert cli(*base)[0] == 0
     before = (out / "zarr.json").read_text()
-    for change in (
-        ["--pool", "max"],
-        ["--layers", "layer3"],
-        ["--data", "synthetic:7"],
-        ["--dtype", "float16"],
-        ["--chunk-size", "2"],
-        ["--image-size", "40"],
-        ["--seed", "1"],
+    for change, field in (
+        (["--model", "resnet34"], "model"),
+        (["--pool", "max"], "pool"),
+        (["--layers", "layer3"], "layers"),
+        (["--data", "synthetic:7"], "data"),
+        (["--dtype", "float16"], "dtype"),
+        (["--chunk-size", "2"], "chunk_size"),
+        (["--image-size", "40"], "preprocessing"),
+        (["--seed", "1"], "weights"),
+        (["--precision", "bf16"], "precision"),
     ):
         code, _, err = cli(*base, *change)
         assert code == 2, change
-        assert "holds a different job" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+        assert "holds a different job" in err and f"differs in: {field}" in err and "--overwrite" in err
+        assert len(err.strip().splitlines()) == 1
         assert (out / "zarr.json").read_text() == before, "a refused run must not touch the store"
     code, _, err = cli(*base)
     assert code == 0 and "already complete" in err
