@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Callable
@@ -92,6 +93,17 @@ class Indexed(Dataset):
             blank = torch.zeros(3, self.image_size, self.image_size)
             return blank, -1, index, f"{self.source(index)} ({e.__class__.__name__}: {e})"
         return image, label if isinstance(label, int) else -1, index, ""
+
+    def listing_sha256(self) -> str | None:
+        """A hash of the file list and labels (ImageFolder, file lists), so that resuming on a folder
+        whose files changed is refused rather than mixing two datasets in one store."""
+        samples = getattr(self.dataset, "samples", None)
+        if samples is None:
+            return None
+        digest = hashlib.sha256()
+        for path, label in samples:
+            digest.update(f"{path}\t{label}\n".encode())
+        return digest.hexdigest()
 
     def source(self, index: int) -> str:
         """The file behind sample ``index`` (ImageFolder and file lists), for messages."""

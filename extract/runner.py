@@ -157,6 +157,7 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "checkpoint_sha256": loaded.checkpoint_sha256,
         "layers": [ref.name for ref in refs],
         "data": spec.data,
+        "data_listing_sha256": dataset.listing_sha256(),
         "num_samples": num_samples,
         "pool": spec.pool,
         "dtype": spec.dtype,
@@ -188,13 +189,12 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
-    """What to do with the store found at --out: create, resume or complete; refuses another job's."""
-    if existing is None:
+    """What to do with the store found at --out: create (also whenever --overwrite), resume or
+    complete; refuses another job's store."""
+    if existing is None or job.spec.overwrite:
         return "create"
     if existing.get("fingerprint") == job.attrs["fingerprint"]:
         return "complete" if existing.get("status") == "complete" else "resume"
-    if job.spec.overwrite:
-        return "create"
     before = existing.get("identity", {})
     differs = [key for key in job.identity if before.get(key) != job.identity[key]] or ["fingerprint"]
     raise ExtractError(

@@ -283,3 +283,19 @@ def test_lock_of_another_host(cli, tmp_path):
     code, _, err = cli(*args)
     assert code == 0, err
     assert not lock.exists()
+
+
+def test_resuming_on_changed_files_is_refused_and_overwrite_recomputes(cli, tmp_path):
+    root = tmp_path / "images"
+    make_png_tree(root, {"a": 3, "b": 3})
+    args = [*SMALL, "--data", f"imagefolder:{root}", "--out", tmp_path / "f.zarr"]
+    assert cli(*args)[0] == 0
+    (root / "a" / "001.png").rename(root / "a" / "renamed.png")  # same N, other files
+    code, _, err = cli(*args)
+    assert code == 2 and "differs in: data_listing_sha256" in one_line_error(err)
+    code, _, err = cli(*args, "--overwrite")
+    assert code == 0 and "6 samples" in err
+    group = zarr.open_group(tmp_path / "f.zarr", mode="r")
+    assert len(group.attrs["runs"]) == 1 and group.attrs["status"] == "complete"
+    code, _, err = cli(*args, "--overwrite")  # the same job again: --overwrite still starts afresh
+    assert code == 0 and "1 chunks written, 0 reused" in err
