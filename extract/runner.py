@@ -39,6 +39,7 @@ from .store import FeatureStore, check_out_path, codecs
 from .writer import ChunkWriter
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TOP_LEVEL = ("model", "weights", "preprocessing", "num_samples", "chunk_size", "dtype", "precision", "pool")
 Log = Callable[[str], None]
 
 
@@ -171,17 +172,11 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "fingerprint": fingerprint(identity),
         "identity": identity,
         "job": spec.to_dict(),
-        "model": spec.model,
-        "weights": loaded.weights,
+        # the identity's fields a reader most often wants, at the top level
+        **{key: identity[key] for key in TOP_LEVEL},
+        "dataset": spec.data,
         "layers": list(shapes),
         "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
-        "preprocessing": repr(loaded.preprocess),
-        "dataset": spec.data,
-        "num_samples": num_samples,
-        "chunk_size": plan.chunk_size,
-        "dtype": spec.dtype,
-        "precision": precision,
-        "pool": spec.pool,
         "versions": library_versions(),
         "runs": [],
     }
