@@ -13,7 +13,7 @@
 #SBATCH --cpus-per-task=64
 #SBATCH --time=12:00:00
 #SBATCH --requeue
-#SBATCH --signal=B:TERM@120
+#SBATCH --signal=TERM@120   # to every task: each rank writes its finished chunks and exits; a requeue resumes
 set -euo pipefail
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
