@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from reference import reference, resnet18
+from reference import reference, resnet18, synthetic_images
 from torch import nn
 
 from extract import Capture
@@ -110,15 +110,20 @@ def test_writer_reads_only_after_the_slots_event(tmp_path):
     np.testing.assert_array_equal(stored, torch.cat(expected).cpu().numpy())
 
 
+@pytest.fixture
+def no_tf32():
+    """fp32 convolutions and matmuls in full precision, so the GPU can be compared with the CPU."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_full_pipeline_on_cuda_equals_cpu_float32(tmp_path, precision, monkeypatch):
-    from extract.data import SyntheticImages
-    from extract.models import imagenet_preset
+def test_full_pipeline_on_cuda_equals_cpu_float32(tmp_path, precision, no_tf32):
     from extract.runner import run
     from extract.spec import JobSpec
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     layers = ["layer1", "layer3", "layer4"]
     out = tmp_path / f"{precision}.zarr"
     spec = JobSpec(
@@ -136,8 +141,7 @@ def test_full_pipeline_on_cuda_equals_cpu_float32(tmp_path, precision, monkeypat
     )
     summary = run(spec, log=lambda _: None)
     assert summary.samples == 40
-    dataset = SyntheticImages(40, 64, imagenet_preset(64))
-    images = torch.stack([dataset[i][0] for i in range(40)])
+    images = synthetic_images(40, 64)
     expected = reference(resnet18(), images, {n: (n, None) for n in layers})
     group = zarr.open_group(out, mode="r")
     assert group.attrs["status"] == "complete" and group.attrs["precision"] == precision
