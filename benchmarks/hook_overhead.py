@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from extract.capture import Capture  # noqa: E402
 from extract.plan import Plan, default_chunk_size  # noqa: E402
+from extract.runner import default_writer_threads  # noqa: E402
 from extract.spec import JobSpec  # noqa: E402
 from extract.staging import HostStaging  # noqa: E402
 from extract.store import FeatureStore  # noqa: E402
@@ -416,7 +417,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2, help="untimed batches per variant before the repeats")
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--writer-threads", type=int, default=None, help="default: JobSpec's")
+    p.add_argument("--writer-threads", type=int, default=None, help="default: what a job uses on this device")
     p.add_argument("--copy", choices=["side", "compute", "both"], default="side", help="CUDA: d/e copy path(s)")
     p.add_argument("--variants", default="abcdef", help="subset of abcdef to run")
     p.add_argument("--cli-samples", type=int, default=None, help="N for (f) (default batches x batch size x 2)")
@@ -479,7 +480,7 @@ def benchmark(args: argparse.Namespace, device: torch.device, workdir: Path) -> 
     batch_size = args.batch_size or (256 if cuda else 32)
     batches = args.batches or (20 if cuda else 8)
     precision = args.precision or ("bf16" if cuda else "fp32")
-    writer_threads = args.writer_threads or JobSpec.writer_threads
+    writer_threads = args.writer_threads or default_writer_threads(device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     autocast = (
         torch.autocast(device.type, dtype=AUTOCAST[precision]) if precision != "fp32" else contextlib.nullcontext()

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chunk-size", type=int, help="samples per chunk (default: about 16 MiB per chunk)")
     p.add_argument("--compressor", help=f"{' | '.join(COMPRESSORS)} (default zstd)")
-    p.add_argument("--writer-threads", type=int, help="threads encoding and writing chunks (default 2)")
+    p.add_argument(
+        "--writer-threads", type=int, help="threads encoding and writing chunks (default 2 on CPU, up to 8 on GPU)"
+    )
     p.add_argument("--channels-last", action="store_true", default=None, help="run the model in channels_last")
     p.add_argument(
         "--no-truncate",

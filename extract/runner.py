@@ -95,10 +95,20 @@ def _autocast(device: torch.device, precision: str) -> Any:
     return torch.autocast(device.type, dtype=AUTOCAST[precision])
 
 
+def _cpus_per_process() -> int:
+    """This machine's CPUs shared among the processes launched on it."""
+    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def _default_workers() -> int:
-    """This machine's CPUs shared among the processes launched on it, at most 8 each."""
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return min(8, (os.cpu_count() or 1) // max(1, local_processes))
+    return min(8, _cpus_per_process())
+
+
+def default_writer_threads(device: torch.device) -> int:
+    """2 on CPU, where encoding competes with the forward for the cores (benchmarks/RESULTS.md: more
+    threads gained nothing there); on a GPU up to 8, half this process's CPUs: one zstd-1 thread
+    encodes ~0.3 GB/s, and full ResNet-50 layer3 maps at GPU speed are over 1 GB/s."""
+    return 2 if device.type != "cuda" else min(8, max(2, _cpus_per_process() // 2))
 
 
 def print_layers(spec: JobSpec, out: Log = print) -> None:
@@ -212,7 +222,8 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
         pin_memory=device.type == "cuda",
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=spec.writer_threads)
+    threads = spec.writer_threads or default_writer_threads(device)
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
     bad_image = None
     try:
         with (

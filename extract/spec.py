@@ -33,14 +33,14 @@ class JobSpec:
     overwrite: bool = False
     seed: int = 0
     channels_last: bool = False
-    writer_threads: int = 2
+    writer_threads: int | None = None
     skip_bad_images: bool = False
     timeout: float = 1800.0
 
     def validate(self) -> None:
         """Reject bad values before anything is built or written."""
         for name in ("batch_size", "writer_threads"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         for name in ("chunk_size", "image_size"):
             value = getattr(self, name)
