@@ -139,8 +139,7 @@ class _Job:
 
     @property
     def sample_bytes(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.spec.dtype)).element_size()
-        return sum(math.prod(shape) for shape in self.shapes.values()) * itemsize
+        return sum(math.prod(shape) for shape in self.shapes.values()) * getattr(torch, self.spec.dtype).itemsize
 
 
 def _prepare(spec: JobSpec, state: PartialState) -> _Job:
@@ -159,8 +158,7 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
     dataset = build_dataset(spec.data, loaded.preprocess, loaded.input_size)
 
     num_samples = len(dataset)
-    itemsize = torch.empty((), dtype=getattr(torch, spec.dtype)).element_size()
-    largest = max(math.prod(shape) for shape in shapes.values()) * itemsize
+    largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
     plan = Plan(num_samples, spec.chunk_size or default_chunk_size(num_samples, largest))
     identity = {
         "model": spec.model,

@@ -97,13 +97,7 @@ class ChunkWriter:
     def abort(self) -> None:
         """Stop without writing partial chunks (used when the forward loop fails)."""
         self._error = self._error or RuntimeError("aborted")
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self.staging.release(item[0])
+        self._drain()
         self._queue.put(None)
         self._thread.join(timeout=30)
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -122,6 +116,7 @@ class ChunkWriter:
             self._drain()
 
     def _drain(self) -> None:
+        """Hand the slots of queued batches back to the pool (their chunks will not be written)."""
         while True:
             try:
                 item = self._queue.get_nowait()
