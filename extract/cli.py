@@ -18,13 +18,15 @@ from .store import COMPRESSORS
 from .writer import WriterError
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are ``ExtractError``s: one line, exit status 2, no usage dump."""
+
     def error(self, message: str) -> NoReturn:
         raise ExtractError(f"{message} (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="extract",
         description="Capture layer activations of a PyTorch model over a dataset into a chunked zarr store.",
         epilog="Multi-process: accelerate launch [--multi_gpu --num_processes N] -m extract ...",

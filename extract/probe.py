@@ -14,12 +14,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
 from torch import nn
 
+from .cli import Parser
 from .errors import ExtractError
 from .reader import Features, open_features
 
@@ -101,13 +101,8 @@ def probe(
     return accuracies
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ExtractError(f"{message} (see --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m extract.probe", description="Linear-probe test accuracy for each layer of a store.")
+    p = Parser(prog="python -m extract.probe", description="Linear-probe test accuracy for each layer of a store.")
     p.add_argument("store", help="a complete extract store")
     p.add_argument("--layers", nargs="+", metavar="L", help="layers to probe (default: all)")
     p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
