@@ -18,6 +18,7 @@ from zarr.core.buffer.cpu import NDBuffer
 
 from .errors import ExtractError
 from .layers import closest
+from .plan import Plan
 from .pooling import PoolShapeError, make_pool
 from .store import FeatureStore
 
@@ -153,7 +154,7 @@ class Features:
 
     @property
     def num_chunks(self) -> int:
-        return -(-self.num_samples // self.chunk_size)
+        return Plan(self.num_samples, self.chunk_size).num_chunks
 
     @property
     def complete(self) -> bool:
@@ -172,9 +173,7 @@ class Features:
     @cached_property
     def valid(self) -> np.ndarray:
         """(N,) bool: present samples that have features; an image that could not be decoded under
-        ``--skip-bad-images`` is stored as NaN with valid False (stores without the array: ``present``)."""
-        if "valid" not in self.store.group.array_keys():
-            return self.present
+        ``--skip-bad-images`` is stored as NaN with valid False."""
         return self.store.array("valid")[:] & self.present
 
     def __len__(self) -> int:
