@@ -36,7 +36,8 @@ class Capture:
 
     Args:
         layers: names, globs (``layer*``) or ``name:0`` / ``name:key`` selectors, or resolved ``LayerRef``s.
-        reduce: applied to each detached output before it is kept (a ``--pool`` reduction).
+        reduce: applied to each detached output before it is kept (a ``--pool`` reduction), or a
+            mapping from stored layer name to the reduction of that layer (``None``: keep it whole).
         stop: raise ``StopForward`` once every layer has fired, skipping the rest of the forward;
             the ``with`` block and ``forward()`` swallow it.
         edit: module name -> function of the module's output. A returned value replaces the output,
@@ -52,7 +53,7 @@ class Capture:
         model: nn.Module,
         layers: Sequence[str | LayerRef],
         *,
-        reduce: Pool | None = None,
+        reduce: Pool | Mapping[str, Pool | None] | None = None,
         stop: bool = False,
         edit: Mapping[str, Edit] | None = None,
         sink: Sink | None = None,
@@ -140,9 +141,10 @@ class Capture:
 
     def _keep(self, ref: LayerRef, value: torch.Tensor) -> None:
         value = value.detach()
-        if self.reduce is not None:
+        reduce = self.reduce.get(ref.name) if isinstance(self.reduce, Mapping) else self.reduce
+        if reduce is not None:
             try:
-                value = self.reduce(value)
+                value = reduce(value)
             except PoolShapeError as e:
                 raise e.for_layer(ref.name) from None
         if self.sink is not None:

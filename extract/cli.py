@@ -32,8 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Multi-process: accelerate launch [--multi_gpu --num_processes N] -m extract ...",
     )
     p.add_argument("--config", metavar="TOML", help="take options from a TOML job file; flags override it")
-    p.add_argument("--model", help="torchvision model name, or pkg.module:factory / file.py:factory (default resnet50)")
-    p.add_argument("--weights", help="torchvision weights name, DEFAULT, or none (random init; default DEFAULT)")
+    p.add_argument(
+        "--model",
+        help="torchvision name, timm:NAME[.TAG], hf:ID_OR_DIR, open_clip:ARCH[:TAG_OR_FILE], "
+        "or pkg.module:factory / file.py:factory (default resnet50)",
+    )
+    p.add_argument(
+        "--weights", help="torchvision weights name, DEFAULT (the source's pretrained weights), or none (random init)"
+    )
     p.add_argument("--checkpoint", metavar="PATH", help="state_dict file loaded with weights_only=True")
     p.add_argument("--seed", type=int, help="seed for random init (--weights none; default 0)")
     p.add_argument("--layers", nargs="+", metavar="L", help="module names, globs (layer*), or name:0 / name:key")
@@ -45,7 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="images per forward (default 64)")
     p.add_argument("--num-workers", type=int, help="DataLoader workers per process")
     p.add_argument("--image-size", type=int, metavar="S", help="crop size S (resize round(S*256/224))")
-    p.add_argument("--pool", metavar="P", help=f"{' | '.join(POOL_CHOICES)} (default none: the full map)")
+    p.add_argument(
+        "--pool",
+        nargs="+",
+        metavar="P",
+        help=f"{' | '.join(POOL_CHOICES)} (default none: the full map), for every layer or per layer: "
+        "--pool layer3=avg layer4=none (later entries override earlier ones)",
+    )
+    p.add_argument(
+        "--layout",
+        nargs="+",
+        metavar="LAYER=L",
+        help="NCHW | NHWC | NLC | NCL for layers whose layout --list-layers cannot tell (pooling needs it)",
+    )
     p.add_argument("--dtype", help=f"storage dtype: {' | '.join(DTYPES)} (default float16)")
     p.add_argument(
         "--precision", help=f"compute precision: {' | '.join(PRECISIONS)} (default fp32 on CPU, bf16 on CUDA)"
@@ -93,8 +111,9 @@ def _from_config(path: str) -> dict[str, Any]:
         if name not in known:
             raise ExtractError(f"--config {path}: unknown key '{key}'; known keys: {', '.join(sorted(known))}")
         options[name] = value
-    if isinstance(options.get("layers"), str):
-        options["layers"] = [options["layers"]]
+    for name in ("layers", "layout"):
+        if isinstance(options.get(name), str):
+            options[name] = [options[name]]
     return options
 
 
@@ -103,6 +122,8 @@ def parse_spec(argv: Sequence[str]) -> tuple[JobSpec, bool]:
     args = build_parser().parse_args(argv)
     options = _from_config(args.config) if args.config else {}
     options.update({k: v for k, v in vars(args).items() if v is not None and k not in ("config", "list_layers")})
+    if isinstance(options.get("pool"), list) and len(options["pool"]) == 1 and "=" not in options["pool"][0]:
+        options["pool"] = options["pool"][0]  # one bare value: the same job (and identity) as before
     try:
         spec = JobSpec(**options)
     except TypeError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -11,18 +12,23 @@ import torch
 from torch import nn
 
 from .errors import ExtractError
+from .layout import infer_layout, selected_shape, trace
 
 
 @dataclass(frozen=True)
 class LayerRef:
     """One captured output: ``module`` is a name from ``named_modules()``; ``selector`` picks
-    an element of a tuple/list (an index) or dict (a key) output. ``name`` is how the store calls it."""
+    an element of a tuple/list (an index) or dict (a key) output; ``alias`` is the source's name for
+    it (``hidden_states.3``), when it was asked for by that. ``name`` is how the store calls it."""
 
     module: str
     selector: int | str | None = None
+    alias: str | None = None
 
     @property
     def name(self) -> str:
+        if self.alias is not None:
+            return self.alias
         return self.module if self.selector is None else f"{self.module}:{self.selector}"
 
 
@@ -46,26 +52,50 @@ def closest(name: str, candidates: list[str], n: int = 3) -> str:
     return ", ".join(close)
 
 
-def resolve_layers(model: nn.Module, patterns: list[str]) -> list[LayerRef]:
-    """Expand names and globs against ``model.named_modules()``, in the model's order, without duplicates."""
+def _normalize_alias(pattern: str, aliases: Mapping[str, LayerRef]) -> str:
+    """``hidden_states.-1`` -> ``hidden_states.12``: negative indices count from the end, as in Python."""
+    prefix, _, number = pattern.rpartition(".")
+    if not (number.startswith("-") and number[1:].isdigit() and f"{prefix}.0" in aliases):
+        return pattern
+    count = sum(1 for name in aliases if name.rpartition(".")[0] == prefix)
+    index = count + int(number)
+    if index < 0:
+        raise ExtractError(f"layer '{pattern}': there are only {count} {prefix} (0 to {count - 1}, or -1 to -{count})")
+    return f"{prefix}.{index}"
+
+
+def resolve_layers(
+    model: nn.Module, patterns: list[str], aliases: Mapping[str, LayerRef] | None = None
+) -> list[LayerRef]:
+    """Expand names and globs against ``model.named_modules()`` and the source's ``aliases``
+    (``hidden_states.N``), in the model's order, without duplicates."""
     if not patterns:
         raise ExtractError("no layers given; pass --layers NAME [NAME ...] (see --list-layers)")
+    aliases = aliases or {}
     names = [name for name, _ in model.named_modules() if name]
     refs: list[LayerRef] = []
     for pattern in patterns:
+        pattern = _normalize_alias(pattern, aliases)
+        if any(c in pattern for c in "*?[") and (found_aliases := [a for a in aliases if _matches(pattern, a)]):
+            refs.extend(aliases[a] for a in found_aliases)
+            continue
+        if pattern in aliases:
+            refs.append(aliases[pattern])
+            continue
         module_pattern, selector = _split_selector(pattern)
         if any(c in module_pattern for c in "*?["):
             found = [n for n in names if _matches(module_pattern, n)]
         else:
             found = [module_pattern] if module_pattern in names else []
         if not found:
+            candidates = [*names, *aliases]
             raise ExtractError(
-                f"layer '{pattern}' matches no module; closest: {closest(module_pattern, names)} "
+                f"layer '{pattern}' matches no module; closest: {closest(module_pattern, candidates)} "
                 "(run with --list-layers for all names)"
             )
         refs.extend(LayerRef(n, selector) for n in found)
     order = {n: i for i, n in enumerate(names)}
-    unique = dict.fromkeys(sorted(refs, key=lambda r: order[r.module]))
+    unique = dict.fromkeys(sorted(refs, key=lambda r: (order[r.module], r.alias is not None)))
     return list(unique)
 
 
@@ -85,49 +115,82 @@ def select(output: Any, ref: LayerRef) -> torch.Tensor:
         value = output[ref.selector]
     except (IndexError, KeyError, TypeError):
         raise ExtractError(
-            f"layer '{ref.name}': its output ({describe(output)}) has no element {ref.selector!r}"
+            f"layer '{ref.name}': its output {describe(output)} has no element {ref.selector!r}"
         ) from None
     if not isinstance(value, torch.Tensor):
         raise ExtractError(f"layer '{ref.name}' selects a {type(value).__name__}, not a tensor")
     return value
 
 
-def describe(output: Any) -> str:
-    """A short shape description of any module output, for --list-layers and messages."""
-    if isinstance(output, torch.Tensor):
-        return str(list(output.shape))
+def shape_text(shape: Sequence[int], batch: int | None = None) -> str:
+    """``(B, 256, 4, 4)``: the batch axis as B, as --list-layers and every message show shapes."""
+    dims = [str(d) for d in shape]
+    if dims and batch is not None and shape[0] == batch:
+        dims[0] = "B"
+    return f"({', '.join(dims)})"
+
+
+def describe(output: Any, batch: int | None = None) -> str:
+    """A short shape description of any module output (or of its ``shape_tree``)."""
+    if isinstance(output, (torch.Tensor, torch.Size)):
+        return shape_text(output.shape if isinstance(output, torch.Tensor) else output, batch)
     if isinstance(output, (tuple, list)):
-        return "(" + ", ".join(describe(o) for o in output) + ")"
+        return "[" + ", ".join(describe(o, batch) for o in output) + "]"
     if isinstance(output, dict):
-        return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in output.items()) + "}"
-    return type(output).__name__
+        return "{" + ", ".join(f"{k}: {describe(v, batch)}" for k, v in output.items()) + "}"
+    return output if isinstance(output, str) else type(output).__name__
 
 
-def list_layers(model: nn.Module, example: torch.Tensor) -> list[tuple[str, str, str]]:
-    """(name, class, output shape) for every submodule, from one forward of ``example``."""
-    seen: dict[str, list[str]] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if name:
-            handles.append(
-                module.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, []).append(describe(o)))
-            )
+def list_layers(
+    model: nn.Module,
+    run: Callable[[torch.Tensor], Any],
+    example: torch.Tensor,
+    larger: torch.Tensor,
+    aliases: Mapping[str, LayerRef] | None = None,
+    hints: Mapping[str, str] | None = None,
+) -> list[tuple[str, str, str, str]]:
+    """(name, class, output shape, layout) for every submodule and alias, from a forward of
+    ``example`` (and one of ``larger``, which tells the layouts; see ``extract.layout``)."""
     try:
-        with torch.inference_mode():
-            model(example)
-    finally:
-        for h in handles:
-            h.remove()
+        small = trace(model, run, example)
+    except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
+        raise model_failed(example, e) from None
+    try:
+        large = trace(model, run, larger)
+    except Exception:  # noqa: BLE001 - a fixed input size: the layouts fall back to the other rules
+        large = {}
+    modules = dict(model.named_modules())
+    batch = len(example)
     rows = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        shapes = seen.get(name)
+
+    def row(name: str, module_name: str, selector: int | str | None, kind: str) -> tuple[str, str, str, str]:
+        shapes = small.get(module_name)
         if shapes is None:
-            shape = "(not run)"
-        elif len(shapes) > 1:
-            shape = f"{shapes[0]} (runs {len(shapes)}x: not capturable)"
-        else:
-            shape = shapes[0]
-        rows.append((name, type(module).__name__, shape))
+            return (name, kind, "(not run)", "")
+        if len(shapes) > 1:
+            return (name, kind, f"{describe(shapes[0], batch)} (runs {len(shapes)}x: not capturable)", "")
+        tree = shapes[0]
+        shown = selected_shape(tree, selector) if selector is not None else tree
+        big = large.get(module_name, [None])[0]
+        layout = infer_layout(
+            module_name, modules[module_name], selected_shape(tree, selector),
+            selected_shape(big, selector) if big is not None else None, hints,
+        )  # fmt: skip
+        return (name, kind, describe(shown, batch), layout or "")
+
+    for name, module in modules.items():
+        if name:
+            rows.append(row(name, name, None, type(module).__name__))
+    for alias, ref in (aliases or {}).items():
+        target = ref.module if ref.selector is None else f"{ref.module}:{ref.selector}"
+        rows.append(row(alias, ref.module, ref.selector, f"-> {target}"))
     return rows
+
+
+def model_failed(example: torch.Tensor, error: BaseException) -> ExtractError:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return ExtractError(
+        f"the model fails on a {shape_text(example.shape, len(example))} input ({error.__class__.__name__}: {first}); "
+        "it may need another --image-size (or none)"
+    )
+

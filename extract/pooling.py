@@ -1,65 +1,105 @@
-"""Reductions applied to a captured activation before it leaves the device (``--pool``)."""
+"""Reductions applied to a captured activation before it leaves the device (``--pool``), per layer
+and along the axes its layout says (``extract.layout``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .errors import ExtractError
+from .layers import LayerRef, _matches, shape_text
 
 Pool = Callable[[torch.Tensor], torch.Tensor]
 
 POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")
-
-
-def _spatial(name: str, fn: Pool) -> Pool:
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4:
-            raise PoolShapeError(name, tuple(x.shape), "(B, C, H, W)", "cls or mean" if x.dim() == 3 else "none")
-        return fn(x)
-
-    return pool
-
-
-def _tokens(name: str, fn: Pool) -> Pool:
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 3:
-            raise PoolShapeError(name, tuple(x.shape), "(B, T, D)", "avg or max" if x.dim() == 4 else "none")
-        return fn(x)
-
-    return pool
+SPATIAL_AXES = {"NCHW": (2, 3), "NHWC": (1, 2)}
+TOKEN_AXIS = {"NLC": 1, "NCL": 2}
 
 
 class PoolShapeError(ExtractError):
     def __init__(self, pool: str, shape: tuple[int, ...], wanted: str, instead: str) -> None:
         self.pool, self.shape, self.wanted, self.instead = pool, shape, wanted, instead
-        super().__init__(f"--pool {pool} needs a {wanted} output but got shape {list(shape)}; use --pool {instead}")
+        super().__init__(f"--pool {pool} needs a {wanted} output but got shape {shape_text(shape)}; use --pool {instead}")
 
     def for_layer(self, layer: str) -> ExtractError:
+        if self.wanted == "known layout":
+            return ExtractError(
+                f"--pool {self.pool} cannot tell which axes of layer '{layer}' {shape_text(self.shape, self.shape[0])} "
+                f"are spatial; say it with --layout {layer}=NCHW or --layout {layer}=NHWC"
+            )
         return ExtractError(
             f"--pool {self.pool} does not fit layer '{layer}': it needs a {self.wanted} output, "
-            f"the layer gives {list(self.shape)}; use --pool {self.instead} for this layer"
+            f"the layer gives {shape_text(self.shape, self.shape[0])}; use --pool {self.instead} for this layer"
         )
 
 
-def make_pool(spec: str) -> Pool | None:
-    """Parse a ``--pool`` value; ``None`` means keep the full output."""
+def _spatial(name: str, layout: str | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
+    """``fn`` works on NCHW; a channels-last map is permuted to it first (a view, no copy)."""
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4:
+            raise PoolShapeError(name, tuple(x.shape), "(B, C, H, W)", "cls or mean" if x.dim() == 3 else "none")
+        if layout not in SPATIAL_AXES:
+            raise PoolShapeError(name, tuple(x.shape), "known layout", "none")
+        return fn(x.permute(0, 3, 1, 2) if layout == "NHWC" else x)
+
+    return pool
+
+
+def _tokens(name: str, layout: str | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
+    """``fn`` works on (B, T, D); a (B, D, T) output is transposed to it first."""
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3:
+            raise PoolShapeError(name, tuple(x.shape), "(B, T, D)", "avg or max" if x.dim() == 4 else "none")
+        return fn(x.transpose(1, 2) if layout == "NCL" else x)
+
+    return pool
+
+
+def make_pool(spec: str, layout: str | None = "NCHW") -> Pool | None:
+    """Parse one ``--pool`` value for an output of ``layout``; ``None`` means keep the full output."""
     if spec == "none":
         return None
     if spec == "avg":
-        return _spatial(spec, lambda x: x.mean(dim=(2, 3)))
+        return _spatial(spec, layout, lambda x: x.mean(dim=(2, 3)))
     if spec == "max":
-        return _spatial(spec, lambda x: x.amax(dim=(2, 3)))
+        return _spatial(spec, layout, lambda x: x.amax(dim=(2, 3)))
     if spec.startswith("avg:"):
         size = spec[4:]
         if not size.isdigit() or int(size) < 1:
             raise ExtractError(f"--pool {spec}: K must be a positive integer, e.g. avg:2")
         k = int(size)
-        return _spatial(spec, lambda x: F.adaptive_avg_pool2d(x, k))
+        return _spatial(spec, layout, lambda x: F.adaptive_avg_pool2d(x, k))
     if spec == "cls":
-        return _tokens(spec, lambda x: x[:, 0])
+        return _tokens(spec, layout if layout in TOKEN_AXIS else "NLC", lambda x: x[:, 0])
     if spec == "mean":
-        return _tokens(spec, lambda x: x.mean(dim=1))
+        return _tokens(spec, layout if layout in TOKEN_AXIS else "NLC", lambda x: x.mean(dim=1))
     raise ExtractError(f"unknown --pool '{spec}'; choose one of {', '.join(POOL_CHOICES)}")
+
+
+def per_layer(
+    values: str | Sequence[str], refs: Sequence[LayerRef], flag: str, default: str | None
+) -> dict[str, str | None]:
+    """``--pool avg`` / ``--pool layer3=avg layer4=none`` (likewise ``--layout``) -> the value for
+    each layer. A bare value applies to every layer; ``PATTERN=VALUE`` to the layers whose stored
+    name or module matches PATTERN (globs as in --layers); later entries override earlier ones."""
+    chosen: dict[str, str | None] = {ref.name: default for ref in refs}
+    for item in [values] if isinstance(values, str) else values:
+        pattern, sep, value = item.rpartition("=")
+        if not sep:
+            chosen = dict.fromkeys(chosen, value)
+            continue
+        hits = [ref.name for ref in refs if _pattern_hits(pattern, ref)]
+        if not hits:
+            raise ExtractError(
+                f"--{flag} {item}: '{pattern}' names none of the layers ({', '.join(r.name for r in refs)})"
+            )
+        chosen.update(dict.fromkeys(hits, value))
+    return chosen
+
+
+def _pattern_hits(pattern: str, ref: LayerRef) -> bool:
+    return any(pattern == name or _matches(pattern, name) for name in {ref.name, ref.module})

@@ -29,10 +29,10 @@ from .errors import ExtractError
 from .interrupt import Interrupted, StopRequests
 from .layers import LayerRef, list_layers, resolve_layers
 from .lock import StoreLock
-from .models import build_model, library_versions
+from .models import LoadedModel, build_model, library_versions
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
-from .pooling import Pool, make_pool
 from .progress import JobProgress
+from .shapes import LayerSetup, setup_layers
 from .spec import JobSpec, fingerprint
 from .staging import HostStaging
 from .store import FeatureStore, check_out_path, codecs
@@ -70,25 +70,6 @@ class Summary:
         )
 
 
-def probe_shapes(
-    model: nn.Module, refs: list[LayerRef], pool: Pool | None, example: torch.Tensor, autocast: Any
-) -> dict[str, tuple[int, ...]]:
-    """Run one batch through the capture to validate the layers (each runs exactly once, the pooling
-    fits, the batch stays the first dimension) and learn each stored feature's shape, before anything
-    is written."""
-    with Capture(model, refs, reduce=pool) as cap, torch.inference_mode(), autocast:
-        model(example)
-    if missing := cap.missing():
-        raise ExtractError(f"layer {', '.join(map(repr, missing))} never ran in the forward; pick layers that run")
-    for name, value in cap.outputs.items():
-        if value.dim() == 0 or value.shape[0] != len(example):
-            raise ExtractError(
-                f"layer '{name}' gives shape {list(value.shape)} for a batch of {len(example)}: "
-                "its first dimension is not the batch; pick another layer"
-            )
-    return {name: tuple(value.shape[1:]) for name, value in cap.outputs.items()}
-
-
 def _autocast(device: torch.device, precision: str) -> Any:
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -112,12 +93,21 @@ def default_writer_threads(device: torch.device) -> int:
 
 
 def print_layers(spec: JobSpec, out: Log = print) -> None:
-    loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
-    rows = list_layers(loaded.model, torch.zeros(1, 3, loaded.input_size, loaded.input_size))
-    width = max(len(name) for name, _, _ in rows)
-    cls_width = max(len(cls) for _, cls, _ in rows)
-    for name, cls, shape in rows:
-        out(f"{name:<{width}}  {cls:<{cls_width}}  {shape}")
+    """Every module (and alias) with its class, output shape for a batch B, and layout; builds the
+    architecture only, so nothing is downloaded."""
+    loaded = build_model(spec.model, spec.weights, None, spec.seed, spec.image_size, load_weights=False)
+    model = loaded.model
+    rows = list_layers(
+        model, lambda x: loaded.call(model, x), loaded.example(2), loaded.example(2, scale=2),
+        loaded.aliases, loaded.layout_hints,
+    )  # fmt: skip
+    height, width = loaded.input_size
+    out(f"# {spec.model}: output shapes for a batch of B images of 3x{height}x{width}; layout where 3-D or 4-D")
+    name_width = max(len(row[0]) for row in rows)
+    cls_width = max(len(row[1]) for row in rows)
+    shape_width = max(len(row[2]) for row in rows)
+    for name, cls, shape, layout in rows:
+        out(f"{name:<{name_width}}  {cls:<{cls_width}}  {shape:<{shape_width}}  {layout}".rstrip())
 
 
 @dataclass
@@ -128,7 +118,8 @@ class _Job:
     state: PartialState
     model: nn.Module
     refs: list[LayerRef]
-    pool: Pool | None
+    loaded: LoadedModel
+    layers: LayerSetup
     dataset: Indexed
     shapes: dict[str, tuple[int, ...]]
     plan: Plan
@@ -151,11 +142,11 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
     loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
     model = loaded.model.to(device, memory_format=memory_format)
-    refs = resolve_layers(model, spec.layers)
-    pool = make_pool(spec.pool)
-    example = torch.zeros(2, 3, loaded.input_size, loaded.input_size, device=device).to(memory_format=memory_format)
-    shapes = probe_shapes(model, refs, pool, example, autocast)
-    dataset = build_dataset(spec.data, loaded.preprocess, loaded.input_size)
+    refs = resolve_layers(model, spec.layers, loaded.aliases)
+    example = loaded.example(2, device).to(memory_format=memory_format)
+    layers = setup_layers(loaded, model, refs, spec.pool, spec.layout, example, autocast)
+    shapes = layers.shapes
+    dataset = build_dataset(spec.data, loaded.preprocess, max(loaded.input_size))
 
     num_samples = len(dataset)
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
@@ -168,13 +159,15 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "data": spec.data,
         "data_listing_sha256": dataset.listing_sha256(),
         "num_samples": num_samples,
-        "pool": spec.pool,
+        "pool": spec.pool if isinstance(spec.pool, str) else list(spec.pool),
         "dtype": spec.dtype,
         "precision": precision,
         "chunk_size": plan.chunk_size,
         "compressor": spec.compressor,
         "preprocessing": repr(loaded.preprocess),
     }
+    if spec.layout:
+        identity["layout"] = list(spec.layout)
     attrs = {
         "status": "running",
         "fingerprint": fingerprint(identity),
@@ -182,13 +175,17 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "job": spec.to_dict(),
         # the identity's fields a reader most often wants, at the top level
         **{key: identity[key] for key in TOP_LEVEL},
+        "source": loaded.source,
+        "preprocessing": loaded.preprocessing,
+        "pools": layers.pools,
+        "layouts": layers.stored_layouts(),
         "dataset": spec.data,
         "layers": list(shapes),
         "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
-        "versions": library_versions(),
+        "versions": library_versions(loaded.source),
         "runs": [],
     }
-    return _Job(spec, state, model, refs, pool, dataset, shapes, plan, identity, attrs, autocast, memory_format)
+    return _Job(spec, state, model, refs, loaded, layers, dataset, shapes, plan, identity, attrs, autocast, memory_format)
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
@@ -226,7 +223,7 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
     try:
         with (
             StopRequests() as stop,
-            Capture(job.model, job.refs, reduce=job.pool, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
+            Capture(job.model, job.refs, reduce=job.layers.reduce, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
             torch.inference_mode(),
             job.autocast,
         ):
@@ -245,7 +242,7 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
                     bad_image = next(error for error in errors if error)
                     break
                 slot = staging.acquire(writer.check)
-                cap.forward(images.to(device, non_blocking=True, memory_format=job.memory_format))
+                job.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=job.memory_format))
                 staging.seal(slot)
                 writer.submit(slot, indices, labels, valid)
         writer.close(complete=stop.signum is None and bad_image is None)

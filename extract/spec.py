@@ -24,7 +24,8 @@ class JobSpec:
     batch_size: int = 64
     num_workers: int | None = None
     image_size: int | None = None
-    pool: str = "none"
+    pool: str | list[str] = "none"
+    layout: list[str] | None = None
     dtype: str = "float16"
     precision: str | None = None
     chunk_size: int | None = None

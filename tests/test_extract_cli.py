@@ -46,7 +46,10 @@ def test_imagefolder_features_equal_reference(cli, png_tree, tmp_path):
     assert attrs["status"] == "complete"
     assert attrs["num_samples"] == 13 and attrs["chunk_size"] == 4
     assert attrs["feature_shapes"]["layer3"] == [256, 2, 2]
-    assert "crop_size=[32]" in attrs["preprocessing"] and "resize_size=[37]" in attrs["preprocessing"]
+    recorded = attrs["preprocessing"]
+    assert recorded["crop"] == [32, 32] and recorded["resize"] == 37 and recorded["interpolation"] == "bilinear"
+    assert recorded["mean"] == [0.485, 0.456, 0.406] and "crop_size=[32]" in recorded["repr"]
+    assert attrs["source"] == "torchvision" and attrs["pools"] == dict.fromkeys(layers, "none")
     assert set(attrs["versions"]) >= {"torch", "torchvision", "zarr", "extract"}
     assert group["features/layer3"].metadata.dimension_names == (
         "sample", "layer3.channel", "layer3.height", "layer3.width",
@@ -205,7 +208,9 @@ def test_list_layers(cli):
     code, out, err = cli("--model", "resnet18", "--weights", "none", "--list-layers", "--image-size", "32")
     assert code == 0, err
     lines = {line.split()[0]: line for line in out.splitlines()}
-    assert lines["layer3"].split()[1:] == ["Sequential", "[1,", "256,", "2,", "2]"]
+    assert lines["layer3"].split()[1:] == ["Sequential", "(B,", "256,", "2,", "2)", "NCHW"]
+    assert lines["avgpool"].split()[1:] == ["AdaptiveAvgPool2d", "(B,", "512,", "1,", "1)", "NCHW"]
+    assert lines["fc"].split()[1:] == ["Linear", "(B,", "1000)"]
     assert "runs 2x" in lines["layer1.0.relu"]
     assert "fc" in lines
 

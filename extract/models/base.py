@@ -1,0 +1,202 @@
+"""What every model source returns, and what is common to all of them (checkpoints, errors, the
+record of the preprocessing)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import pickle
+import socket
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ExtractError
+from ..layers import LayerRef
+
+Transform = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """The options of the job a source needs. ``load_weights`` is False where nothing may be loaded
+    or downloaded: ``--list-layers``, and with ``--checkpoint`` (its file gives the weights; the
+    named weights still choose the preprocessing)."""
+
+    weights: str
+    checkpoint: str | None
+    seed: int
+    image_size: int | None
+    load_weights: bool
+
+    @property
+    def random_init(self) -> bool:
+        return self.weights.lower() == "none" or not self.load_weights
+
+
+@dataclass
+class LoadedModel:
+    """A model in eval mode with its own preprocessing.
+
+    ``preprocess`` maps a PIL image to a (3, H, W) float tensor and runs in DataLoader workers;
+    ``input_name`` is the keyword the model takes its pixels by (``pixel_values`` for transformers),
+    ``None`` for a positional argument. ``aliases`` are extra layer names (``hidden_states.N``) and
+    ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
+    knows it and the shapes cannot tell (see ``extract.layout``).
+    """
+
+    model: nn.Module
+    preprocess: Transform
+    input_size: tuple[int, int]
+    weights: str
+    source: str = ""
+    checkpoint_sha256: str | None = None
+    aliases: dict[str, LayerRef] = field(default_factory=dict)
+    input_name: str | None = None
+    layout_hints: dict[str, str] = field(default_factory=dict)
+
+    def call(self, module: Callable[..., Any], pixels: torch.Tensor) -> Any:
+        """Run ``module`` (the model, or a capture's forward) on a batch the way this source expects."""
+        return module(**{self.input_name: pixels}) if self.input_name else module(pixels)
+
+    def example(self, batch: int = 2, device: torch.device | str = "cpu", scale: int = 1) -> torch.Tensor:
+        height, width = self.input_size
+        return torch.zeros(batch, 3, height * scale, width * scale, device=device)
+
+    @property
+    def preprocessing(self) -> dict[str, Any]:
+        return {"source": self.source, **preprocessing_record(self.preprocess)}
+
+
+_PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+def _interpolation(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return _PIL_RESAMPLE.get(value, str(value))
+    return str(getattr(value, "value", value)).lower()
+
+
+def _floats(values: Any) -> list[float] | None:
+    return None if values is None else [round(float(v), 8) for v in values]
+
+
+def _size(value: Any) -> int | list[int] | None:
+    """torchvision's convention: one number is the shorter side, two are (height, width)."""
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return value
+    values = [int(v) for v in value]
+    return values[0] if len(values) == 1 else values
+
+
+def preprocessing_record(preprocess: Any) -> dict[str, Any]:
+    """What the preprocessing does, for the store's attributes and for readers: its repr, plus
+    mean, std, interpolation, resize (shorter side, or [h, w]) and crop ([h, w]) where it says."""
+    from torchvision import transforms
+    from torchvision.transforms._presets import ImageClassification
+
+    record: dict[str, Any] = {"repr": repr(preprocess), "mean": None, "std": None}
+    record.update(interpolation=None, resize=None, crop=None)
+    if hasattr(preprocess, "preprocessing_record"):
+        record.update(preprocess.preprocessing_record())
+    elif isinstance(preprocess, ImageClassification):
+        record.update(
+            mean=_floats(preprocess.mean),
+            std=_floats(preprocess.std),
+            interpolation=_interpolation(preprocess.interpolation),
+            resize=_size(preprocess.resize_size),
+            crop=_size(preprocess.crop_size),
+        )
+    elif isinstance(preprocess, transforms.Compose):
+        for step in preprocess.transforms:
+            if isinstance(step, transforms.Resize):
+                record.update(resize=_size(step.size), interpolation=_interpolation(step.interpolation))
+            elif isinstance(step, transforms.CenterCrop):
+                record["crop"] = _size(step.size)
+            elif isinstance(step, transforms.Normalize):
+                record.update(mean=_floats(step.mean), std=_floats(step.std))
+    if isinstance(record["crop"], int):
+        record["crop"] = [record["crop"], record["crop"]]
+    return record
+
+
+def download_failed(what: str, error: BaseException) -> ExtractError:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return ExtractError(
+        f"could not load {what} ({error.__class__.__name__}: {first}); "
+        "without network use --weights none (random init) or --checkpoint PATH"
+    )
+
+
+def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> str:
+    """Load a state_dict (safely: ``weights_only=True``) into ``model``; returns the file's sha256."""
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise ExtractError(f"--checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ExtractError(
+            f"--checkpoint {path} needs unpickling arbitrary objects, which is refused; "
+            "save model.state_dict() with torch.save instead"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the user's to fix
+        raise ExtractError(
+            f"--checkpoint {path} is not a torch checkpoint ({e.__class__.__name__}); save model.state_dict()"
+        ) from None
+    for wrapper in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(wrapper), dict):
+            state = state[wrapper]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ExtractError(f"--checkpoint {path} is not a state_dict (a dict of tensors); save model.state_dict()")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[1:2] or [str(e)]
+        raise ExtractError(f"--checkpoint {path} does not fit this model: {first[0].strip()}") from None
+    if result.missing_keys or result.unexpected_keys:
+        raise ExtractError(
+            f"--checkpoint {path} does not fit this model: missing keys {result.missing_keys[:3]}"
+            f"{'...' if len(result.missing_keys) > 3 else ''}, unexpected keys {result.unexpected_keys[:3]}"
+            f"{'...' if len(result.unexpected_keys) > 3 else ''}"
+        )
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def hub_offline_when_unreachable() -> Iterator[None]:
+    """Let the Hugging Face hub (timm, transformers and OpenCLIP download through it) use its cache
+    at once when its endpoint's name does not resolve, instead of retrying for most of a minute."""
+    try:
+        import huggingface_hub.constants as hub
+    except ImportError:
+        yield
+        return
+    if hub.HF_HUB_OFFLINE:
+        yield
+        return
+    try:
+        socket.getaddrinfo(urllib.parse.urlparse(hub.ENDPOINT).hostname or "", 443)
+    except OSError:
+        hub.HF_HUB_OFFLINE = True
+        try:
+            yield
+        finally:
+            hub.HF_HUB_OFFLINE = False
+        return
+    yield

@@ -1,0 +1,135 @@
+"""``--model hf:ID_OR_DIR``: a transformers ``AutoModel`` from a ``save_pretrained`` directory or
+the Hugging Face cache, called with ``pixel_values=``, preprocessed by its own
+``AutoImageProcessor`` (in the DataLoader workers, exactly as transformers applies it). Layers are
+its module names plus ``hidden_states.N``, numbered as ``output_hidden_states`` numbers them."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+from transformers import AutoConfig, AutoImageProcessor, AutoModel
+
+from ..errors import ExtractError
+from ..layers import LayerRef
+from .base import LoadedModel, ModelRequest, download_failed
+
+
+class ProcessorTransform:
+    """A PIL image -> the (3, H, W) ``pixel_values`` the image processor makes of it."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.processor(images=image, return_tensors="pt")["pixel_values"][0]
+
+    def __repr__(self) -> str:
+        settings = {k: v for k, v in self.processor.to_dict().items() if not k.startswith("_")}
+        return f"{type(self.processor).__name__}({', '.join(f'{k}={v!r}' for k, v in sorted(settings.items()))})"
+
+    def preprocessing_record(self) -> dict[str, Any]:
+        p = self.processor
+        size = _size_dict(getattr(p, "size", None)) if getattr(p, "do_resize", True) else None
+        crop = _size_dict(getattr(p, "crop_size", None)) if getattr(p, "do_center_crop", False) else None
+        normalize = getattr(p, "do_normalize", True)
+        resample = getattr(p, "resample", None)
+        interpolation = getattr(resample, "name", None) or {2: "bilinear", 3: "bicubic", 0: "nearest"}.get(resample)
+        return {
+            "mean": [float(v) for v in p.image_mean] if normalize and getattr(p, "image_mean", None) else None,
+            "std": [float(v) for v in p.image_std] if normalize and getattr(p, "image_std", None) else None,
+            "interpolation": str(interpolation).lower() if interpolation else None,
+            "resize": size,
+            "crop": [crop, crop] if isinstance(crop, int) else crop,
+        }
+
+
+def _size_dict(size: Any) -> int | list[int] | None:
+    """transformers' size dicts in torchvision's convention: shorter side, or [height, width]."""
+    if size is None:
+        return None
+    get = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+    if get("height") and get("width"):
+        return [int(get("height")), int(get("width"))]
+    return int(get("shortest_edge")) if get("shortest_edge") else None
+
+
+def _load(what: str, name: str, load: Any) -> Any:
+    local = Path(name).is_dir()
+    try:
+        return load(name, local_files_only=True) if not local else load(name)
+    except OSError:
+        if local:
+            raise
+    try:
+        return load(name)
+    except (OSError, ValueError) as e:
+        raise download_failed(
+            f"{what} of hf:{name} (not a local directory, not in the Hugging Face cache)", e
+        ) from None
+
+
+def _vision_tower(model: nn.Module) -> tuple[nn.Module, str]:
+    """Vision-language models (CLIP, SigLIP) also want text; their image tower takes pixels alone."""
+    parameters = inspect.signature(model.forward).parameters
+    if "input_ids" in parameters and isinstance(getattr(model, "vision_model", None), nn.Module):
+        return model.vision_model, " (its vision_model)"
+    return model, ""
+
+
+def hidden_state_aliases(model: nn.Module, example: torch.Tensor) -> dict[str, LayerRef]:
+    """``hidden_states.N`` -> the module whose output is that hidden state, found by identity in one
+    forward with ``output_hidden_states=True``; when several return it, the outermost (it finishes
+    last), so that a change it makes after its children return is captured too."""
+    fired: list[tuple[str, Any]] = []
+    handles = [
+        module.register_forward_hook(lambda m, i, o, name=name: fired.append((name, o)))
+        for name, module in model.named_modules()
+        if name
+    ]
+    try:
+        with torch.inference_mode():
+            result = model(pixel_values=example, output_hidden_states=True)
+    except Exception:  # noqa: BLE001 - a model without hidden states just has no aliases
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    aliases = {}
+    for number, state in enumerate(getattr(result, "hidden_states", None) or ()):
+        tensors = [LayerRef(name) for name, out in fired if out is state]
+        firsts = [
+            LayerRef(name, 0) for name, out in fired if isinstance(out, (tuple, list)) and out and out[0] is state
+        ]
+        if found := (tensors or firsts):
+            alias = f"hidden_states.{number}"
+            aliases[alias] = LayerRef(found[-1].module, found[-1].selector, alias=alias)
+    return aliases
+
+
+def build(name: str, request: ModelRequest) -> LoadedModel:
+    if request.image_size is not None:
+        raise ExtractError(
+            f"--image-size does not apply to hf:{name}: its image processor decides the input size "
+            "(edit preprocessor_config.json to change it)"
+        )
+    if request.weights.lower() not in ("default", "none"):
+        raise ExtractError(f"--weights {request.weights}: hf models take DEFAULT (the saved weights) or none")
+    processor = _load("the image processor", name, AutoImageProcessor.from_pretrained)
+    if request.load_weights and request.weights.lower() == "default":
+        model = _load("the weights", name, AutoModel.from_pretrained)
+        description = f"hf:{name}"
+    else:
+        config = _load("the config", name, AutoConfig.from_pretrained)
+        model = AutoModel.from_config(config)
+        description = f"none (random init, seed {request.seed}; config of hf:{name})"
+    model, tower = _vision_tower(model.eval())
+    preprocess = ProcessorTransform(processor)
+    size = tuple(preprocess(Image.new("RGB", (256, 256), (128, 128, 128))).shape[1:])
+    loaded = LoadedModel(model, preprocess, size, description + tower, input_name="pixel_values")  # type: ignore[arg-type]
+    loaded.aliases = hidden_state_aliases(model, loaded.example(1))
+    return loaded

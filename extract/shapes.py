@@ -1,0 +1,114 @@
+"""Before anything is written: run the requested layers on a dummy batch to validate them (each runs
+once, its batch axis comes first, its pooling fits) and learn each one's layout, pooling and stored
+shape."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .capture import Capture
+from .errors import ExtractError
+from .layers import LayerRef, model_failed, shape_text
+from .layout import LAYOUTS, infer_layout, selected_shape, trace
+from .models import LoadedModel
+from .pooling import Pool, make_pool, per_layer
+
+
+@dataclass
+class LayerSetup:
+    """Per stored layer (by ``LayerRef.name``): its pooling, the layout of the captured output, and
+    the shape stored per sample."""
+
+    pools: dict[str, str]
+    reduce: dict[str, Pool | None]
+    layouts: dict[str, str | None]
+    shapes: dict[str, tuple[int, ...]]
+
+    def stored_layouts(self) -> dict[str, str | None]:
+        """The layout of each stored array: the captured one when kept whole, none once pooled."""
+        return {name: None if self.pools[name] != "none" else self.layouts[name] for name in self.shapes}
+
+
+def setup_layers(
+    loaded: LoadedModel,
+    model: torch.nn.Module,
+    refs: Sequence[LayerRef],
+    pool: str | Sequence[str],
+    layout: Sequence[str] | None,
+    example: torch.Tensor,
+    autocast: Any,
+) -> LayerSetup:
+    """``example`` is a batch of 2 at the model's input size, on the model's device."""
+    modules = dict(model.named_modules())
+    wanted = {ref.module for ref in refs}
+
+    def run(x: torch.Tensor) -> Any:
+        with autocast:
+            return loaded.call(model, x)
+
+    try:
+        small = trace(model, run, example, wanted)
+    except ExtractError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
+        raise model_failed(example, e) from None
+    larger = torch.nn.functional.interpolate(example, scale_factor=2.0) if example.dim() == 4 else example
+    try:
+        large = trace(model, run, larger.contiguous(memory_format=_memory_format(example)), wanted)
+    except Exception:  # noqa: BLE001 - a model with a fixed input size: other rules decide the layouts
+        large = {}
+    given = per_layer(layout or [], refs, "layout", None)
+    for name, value in given.items():
+        if value is not None and value not in LAYOUTS:
+            raise ExtractError(f"--layout {name}={value}: choose one of {', '.join(LAYOUTS)}")
+    layouts: dict[str, str | None] = {}
+    for ref in refs:
+        shapes = small.get(ref.module)
+        if shapes is None:
+            continue  # never ran: reported below
+        small_shape = selected_shape(shapes[0], ref.selector)
+        large_shape = selected_shape(large[ref.module][0], ref.selector) if ref.module in large else None
+        inferred = infer_layout(ref.module, modules[ref.module], small_shape, large_shape, loaded.layout_hints)
+        layouts[ref.name] = given[ref.name] or inferred
+    pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
+    reduce = {ref.name: make_pool(pools[ref.name], layouts.get(ref.name)) for ref in refs}
+    shapes = probe_shapes(loaded, model, refs, reduce, example, autocast)
+    return LayerSetup(pools, reduce, layouts, shapes)
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else (
+        torch.contiguous_format
+    )
+
+
+def probe_shapes(
+    loaded: LoadedModel,
+    model: torch.nn.Module,
+    refs: Sequence[LayerRef],
+    reduce: dict[str, Pool | None],
+    example: torch.Tensor,
+    autocast: Any,
+) -> dict[str, tuple[int, ...]]:
+    """Run one batch through the capture: each layer runs exactly once, the pooling fits, the batch
+    stays the first axis; returns each stored feature's shape."""
+    try:
+        with Capture(model, list(refs), reduce=reduce) as cap, torch.inference_mode(), autocast:
+            loaded.call(model, example)
+    except ExtractError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise model_failed(example, e) from None
+    if missing := cap.missing():
+        raise ExtractError(f"layer {', '.join(map(repr, missing))} never ran in the forward; pick layers that run")
+    for name, value in cap.outputs.items():
+        if value.dim() == 0 or value.shape[0] != len(example):
+            raise ExtractError(
+                f"layer '{name}' gives shape {shape_text(value.shape)} for a batch of {len(example)}: "
+                "its first axis is not the batch; pick another layer"
+            )
+    return {ref.name: tuple(cap.outputs[ref.name].shape[1:]) for ref in refs}
