@@ -172,7 +172,8 @@ def list_layers(
         tree = shapes[0]
         shown = selected_shape(tree, selector) if selector is not None else tree
         big = large.get(module_name, [None])[0]
-        layout = infer_layout(
+        own = selected_shape(tree, selector)
+        layout = None if own is None or not own or own[0] != batch else infer_layout(
             module_name, modules[module_name], selected_shape(tree, selector),
             selected_shape(big, selector) if big is not None else None, hints,
         )  # fmt: skip

@@ -129,12 +129,11 @@ def preprocessing_record(preprocess: Any) -> dict[str, Any]:
     return record
 
 
-def download_failed(what: str, error: BaseException) -> ExtractError:
+def download_failed(
+    what: str, error: BaseException, fix: str = "use --weights none (random init) or --checkpoint PATH"
+) -> ExtractError:
     first = (str(error).strip().splitlines() or [""])[0]
-    return ExtractError(
-        f"could not load {what} ({error.__class__.__name__}: {first}); "
-        "without network use --weights none (random init) or --checkpoint PATH"
-    )
+    return ExtractError(f"could not load {what} ({error.__class__.__name__}: {first}); without network {fix}")
 
 
 def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> str:

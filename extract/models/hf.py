@@ -69,7 +69,9 @@ def _load(what: str, name: str, load: Any) -> Any:
         return load(name)
     except (OSError, ValueError) as e:
         raise download_failed(
-            f"{what} of hf:{name} (not a local directory, not in the Hugging Face cache)", e
+            f"{what} of hf:{name} (not a local directory, not in the Hugging Face cache)",
+            e,
+            "use hf:DIR, a directory written by save_pretrained (model and image processor)",
         ) from None
 
 

@@ -5,6 +5,7 @@ preprocessing (mean, std, interpolation, resize mode), as the weights would."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ def build(spec: str, request: ModelRequest) -> LoadedModel:
     options = _tag_preprocessing(arch, pretrained)
     if request.image_size is not None:
         options["force_image_size"] = request.image_size
+    logging.disable(logging.ERROR)  # OpenCLIP logs its failures on the root logger: one line is ours to say
     try:
         model, _, preprocess = open_clip.create_model_and_transforms(
             arch, pretrained=pretrained if load else None, **options
@@ -61,6 +63,8 @@ def build(spec: str, request: ModelRequest) -> LoadedModel:
         if not load:
             raise
         raise download_failed(f"OpenCLIP weights {arch}:{pretrained}", e) from None
+    finally:
+        logging.disable(logging.NOTSET)
     visual = model.visual
     size = visual.image_size if isinstance(visual.image_size, tuple) else (visual.image_size, visual.image_size)
     if load:
