@@ -58,3 +58,63 @@ def loud_net() -> nn.Module:
     with torch.no_grad():
         net.conv.weight.mul_(1e6)
     return net
+
+
+class TinyConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 5, stride=4)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean(dim=(2, 3)))
+
+
+def tiny_with_transform():
+    """A factory that brings its own preprocessing (not ImageNet's)."""
+    from torchvision import transforms
+
+    torch.manual_seed(0)
+    transform = transforms.Compose(
+        [
+            transforms.Resize(40, interpolation=transforms.InterpolationMode.BICUBIC),
+            transforms.CenterCrop(32),
+            transforms.ToTensor(),
+            transforms.Normalize([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+        ]
+    )
+    return TinyConv(), transform
+
+
+class Mix(nn.Module):
+    """An elementwise op on a channels-last map: nothing about it tells the layout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+
+class FixedSizeNHWC(nn.Module):
+    """Takes 224-pixel inputs only (like a ViT) and computes in (B, H, W, C) after its stem."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 16, stride=16)
+        self.mix = Mix()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[-2:] == (224, 224), "FixedSizeNHWC takes 224x224 inputs"
+        return self.head(self.mix(self.stem(x).permute(0, 2, 3, 1)).mean(dim=(1, 2)))
+
+
+def fixed_size_nhwc() -> nn.Module:
+    torch.manual_seed(0)
+    return FixedSizeNHWC()
+
+
+def needs_arguments(width: int) -> nn.Module:
+    return nn.Linear(width, width)
+
+
+def raises() -> nn.Module:
+    raise RuntimeError("boom")
