@@ -201,14 +201,16 @@ class Features:
         repeats; or an (N,) bool mask such as ``present``) into memory.
 
         ``pool`` reduces each sample like ``--pool`` does at extraction: ``avg`` / ``max`` (also
-        ``avg:K``) over H, W of a (C, H, W) map, ``cls`` / ``mean`` over the tokens of a (T, D) output.
+        ``avg:K``) over H, W of a (C, H, W) map (or an (H, W, C) one, as the store's ``layouts`` say),
+        ``cls`` / ``mean`` over the tokens of a (T, D) output.
         Pooling is computed in float32 (float64 if asked) block by block, so a pooled read never holds
         the whole full-size layer. ``dtype=None`` keeps the stored dtype. Returns numpy, or torch
         with ``as_torch=True``.
         """
         array = self.array(layer)
         rows = _normalize(index, self.num_samples)
-        reduce = make_pool(pool) if pool not in (None, "none") else None
+        layout = (self.attrs.get("layouts") or {}).get(layer, "NCHW")
+        reduce = make_pool(pool, layout) if pool not in (None, "none") else None
         out = _empty((rows.count, *self._pooled_shape(layer, reduce, pool)), dtype or array.dtype)
         blocks = list(self._blocks(rows, array))
         if reduce is None and out.numpy().dtype == array.dtype:

@@ -292,6 +292,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
                 FeatureStore.create(
                     out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
                     dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
+                    layouts=job.layers.stored_layouts(),
                 )  # fmt: skip
             held.enter_context(StoreLock(out))
         state.wait_for_everyone()

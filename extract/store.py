@@ -31,11 +31,21 @@ def codecs(compressor: str) -> list[Any] | None:
     raise ExtractError(f"unknown --compressor '{compressor}'; choose one of {', '.join(COMPRESSORS)}")
 
 
-def dimension_names(layer: str, ndim: int) -> tuple[str, ...]:
+DIMENSIONS = {
+    "NCHW": ("channel", "height", "width"),
+    "NHWC": ("height", "width", "channel"),
+    "NLC": ("token", "dim"),
+    "NCL": ("dim", "token"),
+}
+
+
+def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[str, ...]:
     """Per-layer dimension names: xarray needs them, and layers differ in size along them."""
-    names = {3: ("channel", "height", "width"), 2: ("token", "dim"), 1: ("feature",)}.get(
-        ndim, tuple(f"dim{i}" for i in range(ndim))
-    )
+    names = DIMENSIONS.get(layout or "", ())
+    if len(names) != ndim:
+        names = {3: DIMENSIONS["NCHW"], 2: DIMENSIONS["NLC"], 1: ("feature",)}.get(
+            ndim, tuple(f"dim{i}" for i in range(ndim))
+        )
     return ("sample", *(f"{layer}.{n}" for n in names))
 
 
@@ -105,6 +115,7 @@ class FeatureStore:
         compressor: str,
         attrs: dict[str, Any],
         overwrite: bool = False,
+        layouts: Mapping[str, str | None] | None = None,
     ) -> FeatureStore:
         if overwrite and _store_attrs(path) is not None:
             shutil.rmtree(path)
@@ -120,7 +131,7 @@ class FeatureStore:
                 dtype=dtype,
                 fill_value=np.nan,
                 compressors=codecs(compressor),
-                dimension_names=dimension_names(layer, len(shape)),
+                dimension_names=dimension_names(layer, len(shape), (layouts or {}).get(layer)),
             )
         group.create_array(
             "labels", shape=(num_samples,), chunks=(chunk_size,), dtype="int64", fill_value=-1,

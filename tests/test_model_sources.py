@@ -111,9 +111,10 @@ def test_timm_convnext_channels_last_inner_layers_pool_over_height_and_width(cli
     root, files = photos
     out = tmp_path / "convnext.zarr"
     inner = "stages.1.blocks.0.mlp"  # (B, H, W, C) inside the block
+    whole = "stages.0.blocks.0.mlp"
     run_ok(cli, "--model", "timm:convnext_tiny", "--weights", "none", "--layers", inner, "stages.1.blocks.0.norm",
-           "stages.1", "--pool", "avg", "stages.1.blocks.0.norm=max", "--data", f"imagefolder:{root}",
-           "--out", out, "--image-size", "32")  # fmt: skip
+           "stages.1", whole, "--pool", "avg", "stages.1.blocks.0.norm=max", f"{whole}=none",
+           "--data", f"imagefolder:{root}", "--out", out, "--image-size", "32")  # fmt: skip
     expected = timm_reference(
         "convnext_tiny",
         files,
@@ -125,7 +126,14 @@ def test_timm_convnext_channels_last_inner_layers_pool_over_height_and_width(cli
         assert values.shape == (4, 192), name  # channels, not one of the spatial axes
         assert close(stored(out, name), values), name
     attrs = zarr.open_group(out, mode="r").attrs.asdict()
-    assert attrs["preprocessing"]["interpolation"] == "bicubic"
+    assert attrs["preprocessing"]["interpolation"] == "bicubic" and attrs["layouts"][whole] == "NHWC"
+    kept = zarr.open_group(out, mode="r")[f"features/{whole}"]
+    assert kept.shape == (4, 8, 8, 96)
+    assert kept.metadata.dimension_names == ("sample", f"{whole}.height", f"{whole}.width", f"{whole}.channel")
+    from extract import open_features
+
+    pooled = open_features(out).load(whole, pool="avg")  # the reader pools the axes the store names
+    assert close(pooled, kept[:].mean(axis=(1, 2)))
     code, listing, err = cli("--model", "timm:convnext_tiny", "--weights", "none", "--list-layers", "--image-size", "32")
     assert code == 0, err
     rows = {line.split()[0]: line.split() for line in listing.splitlines()}
