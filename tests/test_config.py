@@ -12,7 +12,8 @@ from conftest import ROOT
 from extract.cli import parse_spec
 from extract.data import DATA_KINDS
 from extract.layers import resolve_layers
-from extract.pooling import make_pool
+from extract.models import build_model
+from extract.pooling import make_pool, per_layer
 from extract.store import codecs
 
 JOBS = sorted((ROOT / "jobs").glob("*.toml"))
@@ -107,11 +108,18 @@ def test_shipped_job_is_a_valid_spec(job):
     spec, only_list = parse_spec(["--config", str(job)])
     assert not only_list and spec.layers
     spec.validate()
-    make_pool(spec.pool)
     codecs(spec.compressor)
     assert any(spec.data.startswith(kind.split(":")[0] + ":") for kind in DATA_KINDS)
     if spec.weights.lower() not in ("none", "default"):
         assert spec.weights in torchvision.models.get_model_weights(spec.model).__members__
-    with torch.device("meta"):  # the real architecture, without allocating or downloading weights
-        model = torchvision.models.get_model(spec.model, weights=None)
-    assert resolve_layers(model, spec.layers)
+    if ":" in spec.model:  # another source: its architecture only, nothing downloaded
+        loaded = build_model(spec.model, spec.weights, None, 0, spec.image_size, load_weights=False)
+        model, aliases = loaded.model, loaded.aliases
+    else:
+        with torch.device("meta"):  # the real architecture, without allocating or downloading weights
+            model, aliases = torchvision.models.get_model(spec.model, weights=None), {}
+    refs = resolve_layers(model, spec.layers, aliases)
+    assert refs
+    pools = per_layer(spec.pool, refs, "pool", "none")
+    for pool in pools.values():
+        make_pool(pool)
