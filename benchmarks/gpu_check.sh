@@ -5,7 +5,7 @@
 #
 # Expects Python with torch (CUDA) and accelerate. If `import zarr` fails, installs zarr and its
 # dependencies from the wheels in $EXTRACT_WHEELS (default .whl; see benchmarks/README.md) into
-# /tmp/site without the network. Every step has a timeout; their sum (450 s) keeps the script under 8 minutes.
+# /tmp/site without the network. Every step has a timeout; their sum (600 s) keeps the script under 10 minutes.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -58,6 +58,10 @@ step benchmark 170 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers l
 step writer_threads 50 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
   --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 2 --warmup 1 --variants be \
   --writer-threads 8 --no-micro --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda_writer8.json"
+
+# timm and Hugging Face models through the CLI: CUDA bf16 vs CPU fp32 features, img/s. Needs timm and
+# transformers importable (carry their wheels in $EXTRACT_WHEELS with zarr's; see benchmarks/README.md).
+step sources 150 "$PY" benchmarks/gpu_sources.py --samples 2048 --compare 64 --json "$OUTDIR/gpu_sources.json"
 
 step rss 60 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
