@@ -43,7 +43,9 @@ class SyntheticImages(Dataset):
         stripes = 0.5 + 0.5 * torch.sin(2 * math.pi * rows / (3 + 2 * label)).view(1, side, 1)
         color = torch.tensor([(label * 37) % 256, (label * 91) % 256, (label * 151) % 256]).view(3, 1, 1) / 255
         image = 0.45 * color + 0.3 * stripes + 0.25 * noise
-        return self.transform((image * 255).round().to(torch.uint8)), label
+        # a PIL image, as from any real source: timm's, OpenCLIP's and HF's transforms expect one
+        pixels = (image * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        return self.transform(Image.fromarray(pixels)), label
 
 
 class FileList(Dataset):

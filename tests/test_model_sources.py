@@ -349,3 +349,12 @@ def test_list_layers_builds_without_weights_offline(model):
         assert rows["transformer.resblocks.0"][-1] == "NLC"
     else:
         assert rows["blocks.0"][2:] == ["(B,", "197,", "192)", "NLC"]
+
+
+def test_synthetic_data_reaches_every_source_as_pil_images(cli, dinov2_dir, tmp_path):
+    """timm's and HF's transforms take PIL images (timm's Normalize refuses uint8 tensors)."""
+    for model, extra in ((f"hf:{dinov2_dir}", ()), ("timm:resnet18", ("--weights", "none", "--image-size", "32"))):
+        out = tmp_path / f"{model.split(':')[0]}.zarr"
+        run_ok(cli, "--model", model, *extra, "--layers", "hidden_states.1" if "hf" in model else "layer1",
+               "--data", "synthetic:3", "--out", out)  # fmt: skip
+        assert not np.isnan(stored(out, "hidden_states.1" if "hf" in model else "layer1")).any()
