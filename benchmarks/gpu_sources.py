@@ -59,7 +59,9 @@ def compare(model: str, layers: list[str], pool: list[str], n: int, n_compare: i
     common = ["--model", model, "--weights", "DEFAULT" if model.startswith("hf:") else "none", "--layers", *layers,
               "--pool", *pool, "--dtype", "float32", "--batch-size", "64"]  # fmt: skip
     extract([*common, "--data", f"synthetic:{n}", "--out", str(work / "cuda.zarr"), "--precision", "bf16"], True)
-    extract([*common, "--data", f"synthetic:{n_compare}", "--out", str(work / "cpu.zarr"), "--precision", "fp32"], False)
+    extract(
+        [*common, "--data", f"synthetic:{n_compare}", "--out", str(work / "cpu.zarr"), "--precision", "fp32"], False
+    )
     gpu, cpu = zarr.open_group(work / "cuda.zarr", mode="r"), zarr.open_group(work / "cpu.zarr", mode="r")
     report = {"model": model, "images_per_second_cuda_bf16": gpu.attrs["summary"]["images_per_second"], "layers": {}}
     for layer in gpu.attrs["layers"]:

@@ -194,4 +194,3 @@ def model_failed(example: torch.Tensor, error: BaseException) -> ExtractError:
         f"the model fails on a {shape_text(example.shape, len(example))} input ({error.__class__.__name__}: {first}); "
         "it may need another --image-size (or none)"
     )
-

@@ -21,7 +21,9 @@ TOKEN_AXIS = {"NLC": 1, "NCL": 2}
 class PoolShapeError(ExtractError):
     def __init__(self, pool: str, shape: tuple[int, ...], wanted: str, instead: str) -> None:
         self.pool, self.shape, self.wanted, self.instead = pool, shape, wanted, instead
-        super().__init__(f"--pool {pool} needs a {wanted} output but got shape {shape_text(shape)}; use --pool {instead}")
+        super().__init__(
+            f"--pool {pool} needs a {wanted} output but got shape {shape_text(shape)}; use --pool {instead}"
+        )
 
     def for_layer(self, layer: str) -> ExtractError:
         if self.wanted == "known layout":

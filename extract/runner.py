@@ -185,7 +185,9 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "versions": library_versions(loaded.source),
         "runs": [],
     }
-    return _Job(spec, state, model, refs, loaded, layers, dataset, shapes, plan, identity, attrs, autocast, memory_format)
+    return _Job(
+        spec, state, model, refs, loaded, layers, dataset, shapes, plan, identity, attrs, autocast, memory_format
+    )
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
@@ -223,7 +225,9 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
     try:
         with (
             StopRequests() as stop,
-            Capture(job.model, job.refs, reduce=job.layers.reduce, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
+            Capture(
+                job.model, job.refs, reduce=job.layers.reduce, stop=spec.truncate, edit=edit, sink=staging.stage
+            ) as cap,
             torch.inference_mode(),
             job.autocast,
         ):

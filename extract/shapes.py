@@ -81,8 +81,10 @@ def setup_layers(
 
 
 def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else (
-        torch.contiguous_format
+    return (
+        torch.channels_last
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+        else (torch.contiguous_format)
     )
 
 

@@ -118,8 +118,11 @@ def test_timm_convnext_channels_last_inner_layers_pool_over_height_and_width(cli
     expected = timm_reference(
         "convnext_tiny",
         files,
-        {inner: lambda o: o.mean((1, 2)), "stages.1.blocks.0.norm": lambda o: o.amax((1, 2)),
-         "stages.1": lambda o: o.mean((2, 3))},  # fmt: skip
+        {
+            inner: lambda o: o.mean((1, 2)),
+            "stages.1.blocks.0.norm": lambda o: o.amax((1, 2)),
+            "stages.1": lambda o: o.mean((2, 3)),
+        },  # fmt: skip
         img_size=32,
     )
     for name, values in expected.items():
@@ -134,10 +137,14 @@ def test_timm_convnext_channels_last_inner_layers_pool_over_height_and_width(cli
 
     pooled = open_features(out).load(whole, pool="avg")  # the reader pools the axes the store names
     assert close(pooled, kept[:].mean(axis=(1, 2)))
-    code, listing, err = cli("--model", "timm:convnext_tiny", "--weights", "none", "--list-layers", "--image-size", "32")
+    code, listing, err = cli(
+        "--model", "timm:convnext_tiny", "--weights", "none", "--list-layers", "--image-size", "32"
+    )
     assert code == 0, err
     rows = {line.split()[0]: line.split() for line in listing.splitlines()}
-    assert rows[inner][-1] == "NHWC" and rows["stages.1"][-1] == "NCHW" and rows["stages.1.blocks.0.conv_dw"][-1] == "NCHW"
+    assert (
+        rows[inner][-1] == "NHWC" and rows["stages.1"][-1] == "NCHW" and rows["stages.1.blocks.0.conv_dw"][-1] == "NCHW"
+    )
 
 
 def test_timm_checkpoint_loads_without_download(cli, photos, tmp_path):
