@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import pickle
 import socket
 import urllib.parse
@@ -180,13 +181,15 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> str:
 @contextlib.contextmanager
 def hub_offline_when_unreachable() -> Iterator[None]:
     """Let the Hugging Face hub (timm, transformers and OpenCLIP download through it) use its cache
-    at once when its endpoint's name does not resolve, instead of retrying for most of a minute."""
+    at once when its endpoint's name does not resolve, instead of retrying for most of a minute.
+    Behind a proxy the name need not resolve here, so nothing is decided then."""
     try:
         import huggingface_hub.constants as hub
     except ImportError:
         yield
         return
-    if hub.HF_HUB_OFFLINE:
+    proxied = any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if hub.HF_HUB_OFFLINE or proxied:
         yield
         return
     try:
