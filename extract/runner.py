@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .capture import Capture, Edit
-from .data import Indexed, build_dataset
+from .data import DataOptions, Source, build_dataset, keep_index, saved_index
+from .data.gpu_decode import GpuDecoder, collate_encoded
 from .dist import process_state
 from .errors import ExtractError
 from .interrupt import Interrupted, StopRequests
@@ -32,6 +33,7 @@ from .lock import StoreLock
 from .models import build_model, library_versions
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
 from .pooling import Pool, make_pool
+from .preprocessing import describe_preprocessing
 from .progress import JobProgress
 from .spec import JobSpec, fingerprint
 from .staging import HostStaging
@@ -129,20 +131,21 @@ class _Job:
     model: nn.Module
     refs: list[LayerRef]
     pool: Pool | None
-    dataset: Indexed
+    dataset: Source
     shapes: dict[str, tuple[int, ...]]
     plan: Plan
     identity: dict[str, Any]
     attrs: dict[str, Any]
     autocast: Any
     memory_format: torch.memory_format
+    gpu_decoder: GpuDecoder | None = None
 
     @property
     def sample_bytes(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes.values()) * getattr(torch, self.spec.dtype).itemsize
 
 
-def _prepare(spec: JobSpec, state: PartialState) -> _Job:
+def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None = None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     device = state.device
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -155,7 +158,16 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
     pool = make_pool(spec.pool)
     example = torch.zeros(2, 3, loaded.input_size, loaded.input_size, device=device).to(memory_format=memory_format)
     shapes = probe_shapes(model, refs, pool, example, autocast)
-    dataset = build_dataset(spec.data, loaded.preprocess, loaded.input_size)
+    options = DataOptions(spec.image_key, spec.label_key, spec.decode, spec.exif_transpose)
+    preprocessing = describe_preprocessing(loaded.preprocess)  # stand-in: LoadedModel.preprocessing after the merge
+    kept = None if spec.overwrite else saved_index(Path(spec.out), (existing or {}).get("identity"), spec.data, options)
+    dataset = build_dataset(
+        spec.data, loaded.preprocess, loaded.input_size, options,
+        preprocessing=preprocessing, ranks=state, saved_index=kept,
+    )  # fmt: skip
+    gpu_decoder = None
+    if spec.decode == "nvjpeg":
+        gpu_decoder = GpuDecoder(dataset.decoding, preprocessing, device, loaded.input_size, dataset.describe)
 
     num_samples = len(dataset)
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
@@ -167,6 +179,10 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "layers": [ref.name for ref in refs],
         "data": spec.data,
         "data_listing_sha256": dataset.listing_sha256(),
+        "image_key": spec.image_key,
+        "label_key": spec.label_key,
+        "decode": spec.decode,
+        "exif_transpose": spec.exif_transpose,
         "num_samples": num_samples,
         "pool": spec.pool,
         "dtype": spec.dtype,
@@ -183,12 +199,15 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         # the identity's fields a reader most often wants, at the top level
         **{key: identity[key] for key in TOP_LEVEL},
         "dataset": spec.data,
+        "classes": dataset.classes,
         "layers": list(shapes),
         "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
         "versions": library_versions(),
         "runs": [],
     }
-    return _Job(spec, state, model, refs, pool, dataset, shapes, plan, identity, attrs, autocast, memory_format)
+    return _Job(
+        spec, state, model, refs, pool, dataset, shapes, plan, identity, attrs, autocast, memory_format, gpu_decoder
+    )
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
@@ -218,6 +237,7 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
         batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
         num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
         pin_memory=device.type == "cuda",
+        collate_fn=collate_encoded if job.gpu_decoder is not None else None,
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
@@ -240,6 +260,8 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
                     if stop.signum is not None:  # DataLoader workers died of the same signal
                         break
                     raise
+                if job.gpu_decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
+                    images, errors = job.gpu_decoder(images, indices, errors)
                 valid = np.array([not error for error in errors])
                 if not (valid.all() or spec.skip_bad_images):
                     bad_image = next(error for error in errors if error)
@@ -276,7 +298,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     existing = check_out_path(out)  # before any compute
     state = process_state(spec.timeout)
     main = state.is_main_process
-    job = _prepare(spec, state)
+    job = _prepare(spec, state, existing)
     # Every rank decides from what it saw of --out at start-up, so all decide (and refuse) alike;
     # the barrier keeps rank 0 from replacing the store before the others have looked.
     state.wait_for_everyone()
@@ -295,7 +317,9 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
                 FeatureStore.create(
                     out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
                     dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
+                    keys=job.dataset.keys(),
                 )  # fmt: skip
+                keep_index(out, job.dataset)
             held.enter_context(StoreLock(out))
         state.wait_for_everyone()
         store = FeatureStore.open(out)

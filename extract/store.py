@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from .lock import check_unlocked
 FORMAT = "extract-features"
 FORMAT_VERSION = 1
 COMPRESSORS = ("zstd", "blosc", "none")
+KEYS_CHUNK = 2**16
 
 
 def codecs(compressor: str) -> list[Any] | None:
@@ -105,6 +106,7 @@ class FeatureStore:
         compressor: str,
         attrs: dict[str, Any],
         overwrite: bool = False,
+        keys: Sequence[str] | None = None,
     ) -> FeatureStore:
         if overwrite and _store_attrs(path) is not None:
             shutil.rmtree(path)
@@ -130,6 +132,11 @@ class FeatureStore:
             "valid", shape=(num_samples,), chunks=(chunk_size,), dtype="bool", fill_value=False,
             dimension_names=("sample",),
         )  # fmt: skip
+        if keys is not None:  # where each row came from; written once, whole, by the creating rank
+            group.create_array(
+                "keys", shape=(num_samples,), chunks=(min(num_samples, KEYS_CHUNK),), dtype=str,
+                dimension_names=("sample",),
+            )[:] = np.asarray(keys, dtype=str)  # fmt: skip
         num_chunks = -(-num_samples // chunk_size)
         group.create_array(
             "done", shape=(num_chunks,), chunks=(1,), dtype="bool", fill_value=False, dimension_names=("chunk",)
