@@ -86,6 +86,10 @@ def index_shard(path: Path) -> list[dict[str, list[int]]]:
                 key, extension = split_name(member.name)
                 sample = samples.setdefault(key, {"__key__": key})
                 sample.setdefault(extension, [member.offset_data, member.size])
+            # tarfile takes a header cut short for the end of the archive: a whole tar ends with
+            # zero blocks after its last member, so fewer than one block left means it was cut
+            if size - tar.offset < tarfile.BLOCKSIZE:
+                raise tarfile.ReadError(f"it ends at byte {size} without the end-of-archive blocks")
     except (tarfile.TarError, OSError, EOFError) as e:
         raise ExtractError(
             f"--data wds: shard {path} is truncated or not a tar file ({e}); re-create or remove it"
