@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,7 @@ class _Job:
     autocast: Any
     memory_format: torch.memory_format
     gpu_decoder: GpuDecoder | None = None
+    notes: list[str] = field(default_factory=list)  # logged by rank 0 before the loop
 
     @property
     def sample_bytes(self) -> int:
@@ -165,9 +166,13 @@ def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None
         spec.data, loaded.preprocess, loaded.input_size, options,
         preprocessing=preprocessing, ranks=state, saved_index=kept,
     )  # fmt: skip
+    notes = [f"extract: using the shard index kept in {spec.out} (no rescan)"] if kept is not None else []
     gpu_decoder = None
     if spec.decode == "nvjpeg":
         gpu_decoder = GpuDecoder(dataset.decoding, preprocessing, device, loaded.input_size, dataset.describe)
+        notes.append(
+            f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {gpu_decoder.how}"
+        )
 
     num_samples = len(dataset)
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
@@ -206,8 +211,9 @@ def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None
         "runs": [],
     }
     return _Job(
-        spec, state, model, refs, pool, dataset, shapes, plan, identity, attrs, autocast, memory_format, gpu_decoder
-    )
+        spec, state, model, refs, pool, dataset, shapes, plan, identity, attrs, autocast, memory_format, gpu_decoder,
+        notes,
+    )  # fmt: skip
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
@@ -313,6 +319,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         if main:
             if spec.data.startswith("synthetic:"):
                 log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
+            for note in job.notes:
+                log(note)
             if action == "create":
                 FeatureStore.create(
                     out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
