@@ -5,7 +5,7 @@
 #
 # Expects Python with torch (CUDA) and accelerate. If `import zarr` fails, installs zarr and its
 # dependencies from the wheels in $EXTRACT_WHEELS (default .whl; see benchmarks/README.md) into
-# /tmp/site without the network. Every step has a timeout; their sum (450 s) keeps the script under 8 minutes.
+# /tmp/site without the network. Every step has a timeout; their sum (540 s) keeps the script under 10 minutes.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -48,6 +48,12 @@ command -v nvidia-smi >/dev/null && nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1
 
 step tests 110 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUTDIR/test_cuda.xml"
 
+# --decode nvjpeg against the CPU path: pixels within 0.5 (mean 0.03) after normalization, stored
+# features within 5% (tolerances documented in tests/test_cuda_decode.py); then nvjpeg img/s.
+step nvjpeg 45 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda_decode.py --junitxml="$OUTDIR/test_cuda_decode.xml"
+step decode 45 "$PY" benchmarks/decode_throughput.py --small 240 --large 48 --repeats 2 --no-e2e --no-results \
+  --workdir /tmp/extract-decode-bench --json "$OUTDIR/decode_throughput_cuda.json"
+
 # resnet50 layer3+layer4, batch 256, bf16 autocast, channels_last; side-stream (HostStaging) vs
 # compute-stream (value.to('cpu')) copies for (d) and (e); (f) is the CLI end to end.
 step benchmark 170 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
@@ -62,6 +68,6 @@ step writer_threads 50 "$PY" benchmarks/hook_overhead.py --model resnet50 --laye
 step rss 60 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
 
-rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss
+rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss /tmp/extract-decode-bench
 echo "logs and JSON in $OUTDIR" | tee -a "$OUTDIR/summary.txt"
 exit "$status"

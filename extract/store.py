@@ -20,6 +20,8 @@ FORMAT = "extract-features"
 FORMAT_VERSION = 1
 COMPRESSORS = ("zstd", "blosc", "none")
 KEYS_CHUNK = 2**16
+# numpy's variable-width strings: zarr writes them 3x faster than fixed-width "<U" (numpy >= 2)
+STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
 
 
 def codecs(compressor: str) -> list[Any] | None:
@@ -136,7 +138,7 @@ class FeatureStore:
             group.create_array(
                 "keys", shape=(num_samples,), chunks=(min(num_samples, KEYS_CHUNK),), dtype=str,
                 dimension_names=("sample",),
-            )[:] = np.asarray(keys, dtype=str)  # fmt: skip
+            )[:] = np.asarray(keys, dtype=STRINGS)  # fmt: skip
         num_chunks = -(-num_samples // chunk_size)
         group.create_array(
             "done", shape=(num_chunks,), chunks=(1,), dtype="bool", fill_value=False, dimension_names=("chunk",)
