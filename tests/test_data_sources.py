@@ -222,7 +222,10 @@ def test_imagefolder_and_filelist_keys_and_classes(cli, tmp_path, png_tree):
     assert xr.open_zarr(out, consolidated=False)["keys"].values.tolist() == features.keys.tolist()
 
 
-def test_synthetic_and_torchvision_keys(tmp_path):
+def test_synthetic_and_torchvision_keys(cli, tmp_path):
+    out = tmp_path / "syn.zarr"
+    assert cli(*SMALL, "--data", "synthetic:3", "--out", out)[0] == 0
+    assert open_features(out).keys.tolist() == ["synthetic/0", "synthetic/1", "synthetic/2"]
     transform = lambda image: image  # noqa: E731 - the listing is what is tested
     assert build_dataset("synthetic:3", transform, 32).keys() == ["synthetic/0", "synthetic/1", "synthetic/2"]
     fake = build_dataset("torchvision:FakeData:/tmp", transform, 32)  # used to be a traceback

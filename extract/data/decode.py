@@ -24,14 +24,17 @@ def is_jpeg(data: bytes | memoryview) -> bool:
     return bytes(data[:3]) == JPEG_MAGIC
 
 
-def draft_request(size: tuple[int, int], resize: int | list[int]) -> tuple[int, int]:
+def draft_request(size: tuple[int, int], resize: int | list[int]) -> tuple[int, int] | None:
     """The smallest (w, h) a reduced-scale decode may return so that the transform's resize still
-    scales down: the shorter side at least ``resize`` (an int), or at least (h, w) (a pair)."""
+    scales down: the shorter side at least ``resize`` (an int), or at least (h, w) (a pair). None
+    when not even the 1/2 scale would cover it (the image is decoded in full, at no extra cost)."""
     width, height = size
     if isinstance(resize, int):
         scale = resize / min(width, height)
-        return math.ceil(width * scale), math.ceil(height * scale)
-    return int(resize[1]), int(resize[0])
+        wanted = math.ceil(width * scale), math.ceil(height * scale)
+    else:
+        wanted = int(resize[1]), int(resize[0])
+    return wanted if 2 * wanted[0] <= width and 2 * wanted[1] <= height else None
 
 
 class Decoding:
@@ -64,7 +67,8 @@ class Decoding:
         """Decode encoded bytes to an RGB PIL image (reduced-scale for JPEGs under ``draft``)."""
         image = Image.open(io.BytesIO(data))
         if self.resize is not None and image.format == "JPEG":
-            image.draft("RGB", draft_request(image.size, self.resize))
+            if (request := draft_request(image.size, self.resize)) is not None:
+                image.draft("RGB", request)
         return self.rgb(image)
 
     def rgb(self, image: Image.Image) -> Image.Image:

@@ -52,7 +52,7 @@ class TorchvisionSource(Source):
 
     def load(self, index: int) -> tuple[RawImage, int]:
         image, label = self.dataset[index]
-        if hasattr(label, "item") and getattr(label, "ndim", 1) == 0:
+        if hasattr(label, "item") and getattr(label, "ndim", 1) == 0:  # numpy / torch scalars (SVHN, FakeData)
             label = label.item()
         return image, label if isinstance(label, int) else -1
 
