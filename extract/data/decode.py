@@ -13,8 +13,8 @@ import torch
 from PIL import Image, ImageOps
 
 from ..errors import ExtractError
+from ..spec import DECODES
 
-DECODES = ("pil", "draft", "nvjpeg")
 RawImage = bytes | Image.Image | torch.Tensor
 Transform = Callable[[Any], torch.Tensor]
 JPEG_MAGIC = b"\xff\xd8\xff"
