@@ -280,3 +280,13 @@ def test_images_agree_with_reference_loader(png_tree):
     source = build_dataset(f"imagefolder:{root}", __import__("reference").preset(32), 32)
     stacked = np.stack([source[i][0].numpy() for i in range(len(source))])
     assert np.array_equal(stacked, load_images([f for f, _ in files], 32).numpy())
+
+
+def test_a_bad_parquet_cell_names_file_and_row_or_is_skipped(cli, tmp_path):
+    path = tmp_path / "bad.parquet"
+    write_parquet(path, "bytes", [encoded_image(0), b"\xff\xd8\xff garbage", encoded_image(2)], [0, 1, 2])
+    code, _, err = cli(*SMALL, "--data", f"parquet:{path}", "--out", tmp_path / "a.zarr")
+    assert code == 2 and f"{path} row 1" in one_line_error(err)
+    out = tmp_path / "b.zarr"
+    assert cli(*SMALL, "--data", f"parquet:{path}", "--out", out, "--skip-bad-images")[0] == 0
+    assert open_features(out).valid.tolist() == [True, False, True]
