@@ -118,6 +118,28 @@ def per_core(sets: dict[str, list[bytes]], repeats: int) -> dict[str, dict[str, 
     return {name: {v: statistics.median(r) for v, r in rates.items()} for name, rates in results.items()}
 
 
+def loading(specs: dict[str, str], repeats: int) -> dict[str, float]:
+    """img/s per core of a source's item (read + decode + transform), the work of a DataLoader
+    worker: the sources interleaved sample by sample, timed in this thread's CPU time."""
+    from extract.data import build_dataset
+
+    transform = ResNet18_Weights.IMAGENET1K_V1.transforms()
+    sources = {name: build_dataset(spec, transform, 224) for name, spec in specs.items()}
+    count = min(len(s) for s in sources.values())
+    rates: dict[str, list[float]] = {}
+    for repeat in range(repeats):
+        spent = dict.fromkeys(sources, 0)
+        for index in range(count):
+            order = list(sources.items())
+            for name, source in order if (repeat + index) % 2 == 0 else order[::-1]:
+                start = time.thread_time_ns()
+                source[index]
+                spent[name] += time.thread_time_ns() - start
+        for name, nanoseconds in spent.items():
+            rates.setdefault(name, []).append(count * 1e9 / nanoseconds)
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
 def end_to_end(data: str, decode: str, out: Path) -> float:
     command = [sys.executable, "-m", "extract", "--model", "resnet18", "--weights", "none", "--layers", "conv1",
                "--pool", "avg", "--data", data, "--out", str(out), "--overwrite", "--num-workers", "2",
@@ -162,9 +184,11 @@ def main() -> None:
     load_before = os.getloadavg()
     rates = per_core({name: [f.read_bytes() for f in fs] for name, fs in files.items()}, args.repeats)
     e2e: dict[str, list[float]] = {}
+    shards = make_shards(files["500x375"], args.workdir / "shards-500x375", per_shard=50)
+    folder_small = args.workdir / "500x375"
+    load_rates = loading({"imagefolder": f"imagefolder:{folder_small}", "tar shards (wds)": f"wds:{shards}"},
+                         args.repeats)  # fmt: skip
     if not args.no_e2e:
-        shards = make_shards(files["500x375"], args.workdir / "shards-500x375", per_shard=50)
-        folder_small = args.workdir / "500x375"
         folder_large = args.workdir / "2000x1500"
         runs = {
             "500x375, imagefolder": (f"imagefolder:{folder_small}", "pil"),
@@ -180,7 +204,8 @@ def main() -> None:
                 e2e.setdefault(name, []).append(end_to_end(data, decode, args.workdir / "e2e.zarr"))
     load_after = os.getloadavg()
     medians = {name: statistics.median(values) for name, values in e2e.items()}
-    report = {"per_core": rates, "end_to_end": medians, "load_before": load_before, "load_after": load_after}
+    report = {"per_core": rates, "loading": load_rates, "end_to_end": medians, "load_before": load_before,
+              "load_after": load_after}  # fmt: skip
     print(json.dumps(report, indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
@@ -199,7 +224,8 @@ def render(report: dict, args: argparse.Namespace) -> str:
         f"Load average (1/5/15 min) before {tuple(round(x, 2) for x in report['load_before'])}, after "
         f"{tuple(round(x, 2) for x in report['load_after'])}: the machine is shared, so absolute rates are "
         "pessimistic; ratios come from interleaved runs in one process.", "",
-        f"    python benchmarks/decode_throughput.py --small {args.small} --large {args.large} --repeats {args.repeats}",
+        f"    python benchmarks/decode_throughput.py --small {args.small} --large {args.large} --repeats {args.repeats} "
+        f"--e2e-repeats {args.e2e_repeats}",
         "",
         "Decode + transform (resize 256, crop 224, normalize), img/s per core (thread CPU time; nvjpeg: wall, "
         "GPU), median of interleaved repeats:", "",
@@ -209,8 +235,14 @@ def render(report: dict, args: argparse.Namespace) -> str:
     for name, values in rates.items():
         cells = " | ".join(f"{values[v]:.1f}" for v in variants)
         lines.append(f"| {name} | {cells} | **{values['draft'] / values['pil']:.2f}x** |")
+    loading = report["loading"]
+    lines += ["", "Loading one sample (read + decode + transform, what a worker does), the same 500x375 JPEGs from "
+              "a folder and from tar shards of 50, img/s per core (thread CPU time, interleaved sample by sample):",
+              "", "| source | img/s per core |", "| --- | ---: |"]  # fmt: skip
+    lines += [f"| {name} | {value:.1f} |" for name, value in loading.items()]
     if e2e:
-        lines += ["", "End to end, `python -m extract`, resnet18 to conv1 at 224 px, 2 workers (median img/s):", "",
+        lines += ["", "End to end, `python -m extract`, resnet18 to conv1 at 224 px, 2 workers, wall-clock img/s "
+                  "(median; at this load, noisy: runs of one variant differ by up to 2x):", "",
                   "| data | img/s |", "| --- | ---: |"]  # fmt: skip
         lines += [f"| {name} | {value:.1f} |" for name, value in e2e.items()]
     return "\n".join(lines) + "\n"
