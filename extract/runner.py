@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .capture import Capture, Edit
-from .data import DataOptions, Source, build_dataset, keep_index, saved_index
+from .data import DataOptions, Source, build_dataset, keep_index, kept_index
 from .data.gpu_decode import GpuDecoder, collate_encoded
 from .dist import process_state
 from .errors import ExtractError
@@ -161,7 +161,7 @@ def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None
     shapes = probe_shapes(model, refs, pool, example, autocast)
     options = DataOptions(spec.image_key, spec.label_key, spec.decode, spec.exif_transpose)
     preprocessing = describe_preprocessing(loaded.preprocess)  # stand-in: LoadedModel.preprocessing after the merge
-    kept = None if spec.overwrite else saved_index(Path(spec.out), (existing or {}).get("identity"), spec.data, options)
+    kept = None if spec.overwrite else kept_index(Path(spec.out), (existing or {}).get("identity"), spec.data, options)
     dataset = build_dataset(
         spec.data, loaded.preprocess, loaded.input_size, options,
         preprocessing=preprocessing, ranks=state, saved_index=kept,

@@ -23,7 +23,16 @@ DATA_KINDS = (
     "parquet:GLOB", "hf:PATH[:split]",
 )  # fmt: skip
 
-__all__ = ["DATA_KINDS", "DECODES", "DataOptions", "Source", "SyntheticImages", "build_dataset"]
+__all__ = [
+    "DATA_KINDS",
+    "DECODES",
+    "DataOptions",
+    "Source",
+    "SyntheticImages",
+    "build_dataset",
+    "keep_index",
+    "kept_index",
+]
 SAVED_INDEX = "wds-index.json.gz"  # in the store: the shard index, so that a resume does not rescan
 
 
@@ -92,7 +101,7 @@ def build_dataset(
     return source
 
 
-def saved_index(out: Path, identity: dict[str, Any] | None, spec: str, options: DataOptions) -> bytes | None:
+def kept_index(out: Path, identity: dict[str, Any] | None, spec: str, options: DataOptions) -> bytes | None:
     """The index kept in the store at ``out`` when that store was made from the same ``--data``."""
     same = identity is not None and all(
         identity.get(k) == v
