@@ -5,7 +5,7 @@
 #
 # Expects Python with torch (CUDA) and accelerate. If `import zarr` fails, installs zarr and its
 # dependencies from the wheels in $EXTRACT_WHEELS (default .whl; see benchmarks/README.md) into
-# /tmp/site without the network. Every step has a timeout; their sum (600 s) keeps the script under 10 minutes.
+# /tmp/site without the network. Every step has a timeout; their sum (575 s) keeps the script under 10 minutes.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -31,13 +31,13 @@ step() {  # step NAME SECONDS CMD...: run with a timeout, log to $OUTDIR/NAME.lo
 : >"$OUTDIR/summary.txt"
 if ! "$PY" -c 'import zarr' 2>/dev/null; then
   echo "zarr missing: installing from $WHEELS" | tee -a "$OUTDIR/summary.txt"
-  step install 40 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl
+  step install 30 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-step environment 20 "$PY" -c '
+step environment 15 "$PY" -c '
 import torch, zarr, numcodecs, accelerate, torchvision
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
@@ -46,26 +46,32 @@ print("torchvision", torchvision.__version__, "zarr", zarr.__version__, "numcode
 '
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1
 
-step tests 110 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUTDIR/test_cuda.xml"
+step tests 100 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py --junitxml="$OUTDIR/test_cuda.xml"
+
+# --decode nvjpeg against the CPU path: pixels within 0.5 (mean 0.03) after normalization, stored
+# features within 5% (tolerances documented in tests/test_cuda_decode.py); then nvjpeg img/s.
+step nvjpeg 45 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda_decode.py --junitxml="$OUTDIR/test_cuda_decode.xml"
+step decode 40 "$PY" benchmarks/decode_throughput.py --small 240 --large 48 --repeats 2 --no-e2e --no-results \
+  --workdir /tmp/extract-decode-bench --json "$OUTDIR/decode_throughput_cuda.json"
 
 # resnet50 layer3+layer4, batch 256, bf16 autocast, channels_last; side-stream (HostStaging) vs
 # compute-stream (value.to('cpu')) copies for (d) and (e); (f) is the CLI end to end.
-step benchmark 170 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
+step benchmark 140 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
   --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 3 --warmup 2 \
   --copy both --cli-samples 2048 --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda.json"
 
 # (e) alone with more writer threads: on a GPU the writer (encode + write on the CPU) is the limit.
-step writer_threads 50 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
+step writer_threads 40 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
   --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 2 --warmup 1 --variants be \
   --writer-threads 8 --no-micro --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda_writer8.json"
 
 # timm and Hugging Face models through the CLI: CUDA bf16 vs CPU fp32 features, img/s. Needs timm and
 # transformers importable (carry their wheels in $EXTRACT_WHEELS with zarr's; see benchmarks/README.md).
-step sources 150 "$PY" benchmarks/gpu_sources.py --samples 2048 --compare 64 --json "$OUTDIR/gpu_sources.json"
+step sources 120 "$PY" benchmarks/gpu_sources.py --samples 2048 --compare 64 --json "$OUTDIR/gpu_sources.json"
 
-step rss 60 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
+step rss 45 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
 
-rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss
+rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss /tmp/extract-decode-bench
 echo "logs and JSON in $OUTDIR" | tee -a "$OUTDIR/summary.txt"
 exit "$status"

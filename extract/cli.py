@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from .errors import ExtractError
 from .interrupt import Interrupted
 from .pooling import POOL_CHOICES
-from .spec import DTYPES, PRECISIONS, JobSpec
+from .spec import DECODES, DTYPES, PRECISIONS, JobSpec
 from .store import COMPRESSORS
 from .writer import WriterError
 
@@ -45,7 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", nargs="+", metavar="L", help="module names, globs (layer*), or name:0 / name:key")
     p.add_argument("--list-layers", action="store_true", help="print every module with its output shape, then exit")
     p.add_argument(
-        "--data", metavar="SPEC", help="imagefolder:PATH | filelist:FILE | torchvision:NAME:ROOT[:split] | synthetic:N"
+        "--data",
+        metavar="SPEC",
+        help="imagefolder:PATH | filelist:FILE | wds:SHARDS | parquet:GLOB | hf:PATH[:split] | "
+        "torchvision:NAME:ROOT[:split] | synthetic:N",
+    )
+    p.add_argument(
+        "--image-key", metavar="K", help="wds: image extension; parquet/hf: image column (default: detected)"
+    )
+    p.add_argument("--label-key", metavar="K", help="wds: label extension (default cls); parquet/hf: column (label)")
+    p.add_argument(
+        "--decode",
+        help=f"{' | '.join(DECODES)}: PIL in full (default), PIL at a reduced JPEG scale covering the resize, "
+        "or batched nvjpeg on the GPU",
+    )
+    p.add_argument(
+        "--exif-transpose",
+        action="store_true",
+        default=None,
+        help="rotate images as their EXIF orientation says (off by default, like torchvision's loaders)",
     )
     p.add_argument("--out", metavar="PATH", help="the zarr store to write (default features.zarr)")
     p.add_argument("--batch-size", type=int, help="images per forward (default 64)")

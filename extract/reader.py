@@ -165,6 +165,19 @@ class Features:
         return self.store.array("labels")[:]
 
     @cached_property
+    def keys(self) -> np.ndarray:
+        """(N,) str: where each row came from (path relative to the root, ``shard/key``, ``file/row``)."""
+        if "keys" not in self.store.group:
+            raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
+        return self.store.array("keys")[:]
+
+    @property
+    def classes(self) -> list[str] | None:
+        """The data set's class names (ImageFolder folders, ``ClassLabel`` names), indexed by label."""
+        classes = self.attrs.get("classes")
+        return list(classes) if classes is not None else None
+
+    @cached_property
     def present(self) -> np.ndarray:
         """(N,) bool: the samples whose chunk is marked done; use it as an ``index`` to read only those."""
         done = self.store.array("done")[:]

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .capture import Capture, Edit
-from .data import Indexed, build_dataset
+from .data import DataOptions, Source, build_dataset, keep_index, kept_index
+from .data.gpu_decode import GpuDecoder, collate_encoded
 from .dist import process_state
 from .errors import ExtractError
 from .interrupt import Interrupted, StopRequests
@@ -120,20 +121,22 @@ class _Job:
     refs: list[LayerRef]
     loaded: LoadedModel
     layers: LayerSetup
-    dataset: Indexed
+    dataset: Source
     shapes: dict[str, tuple[int, ...]]
     plan: Plan
     identity: dict[str, Any]
     attrs: dict[str, Any]
     autocast: Any
     memory_format: torch.memory_format
+    gpu_decoder: GpuDecoder | None = None
+    notes: list[str] = field(default_factory=list)  # logged by rank 0 before the loop
 
     @property
     def sample_bytes(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes.values()) * getattr(torch, self.spec.dtype).itemsize
 
 
-def _prepare(spec: JobSpec, state: PartialState) -> _Job:
+def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None = None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     device = state.device
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -146,7 +149,20 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
     example = loaded.example(2, device).to(memory_format=memory_format)
     layers = setup_layers(loaded, model, refs, spec.pool, spec.layout, example, autocast)
     shapes = layers.shapes
-    dataset = build_dataset(spec.data, loaded.preprocess, max(loaded.input_size))
+    options = DataOptions(spec.image_key, spec.label_key, spec.decode, spec.exif_transpose)
+    preprocessing = loaded.preprocessing
+    kept = None if spec.overwrite else kept_index(Path(spec.out), (existing or {}).get("identity"), spec.data, options)
+    side = max(loaded.input_size)
+    dataset = build_dataset(
+        spec.data, loaded.preprocess, side, options, preprocessing=preprocessing, ranks=state, saved_index=kept
+    )
+    notes = [f"extract: using the shard index kept in {spec.out} (no rescan)"] if kept is not None else []
+    gpu_decoder = None
+    if spec.decode == "nvjpeg":
+        gpu_decoder = GpuDecoder(dataset.decoding, preprocessing, device, side, dataset.describe)
+        notes.append(
+            f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {gpu_decoder.how}"
+        )
 
     num_samples = len(dataset)
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
@@ -158,6 +174,10 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "layers": [ref.name for ref in refs],
         "data": spec.data,
         "data_listing_sha256": dataset.listing_sha256(),
+        "image_key": spec.image_key,
+        "label_key": spec.label_key,
+        "decode": spec.decode,
+        "exif_transpose": spec.exif_transpose,
         "num_samples": num_samples,
         "pool": spec.pool if isinstance(spec.pool, str) else list(spec.pool),
         "dtype": spec.dtype,
@@ -180,14 +200,16 @@ def _prepare(spec: JobSpec, state: PartialState) -> _Job:
         "pools": layers.pools,
         "layouts": layers.stored_layouts(),
         "dataset": spec.data,
+        "classes": dataset.classes,
         "layers": list(shapes),
         "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
         "versions": library_versions(loaded.source),
         "runs": [],
     }
     return _Job(
-        spec, state, model, refs, loaded, layers, dataset, shapes, plan, identity, attrs, autocast, memory_format
-    )
+        spec, state, model, refs, loaded, layers, dataset, shapes, plan, identity, attrs, autocast, memory_format,
+        gpu_decoder, notes,
+    )  # fmt: skip
 
 
 def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
@@ -217,6 +239,7 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
         batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
         num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
         pin_memory=device.type == "cuda",
+        collate_fn=collate_encoded if job.gpu_decoder is not None else None,
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
@@ -241,6 +264,8 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
                     if stop.signum is not None:  # DataLoader workers died of the same signal
                         break
                     raise
+                if job.gpu_decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
+                    images, errors = job.gpu_decoder(images, indices, errors)
                 valid = np.array([not error for error in errors])
                 if not (valid.all() or spec.skip_bad_images):
                     bad_image = next(error for error in errors if error)
@@ -277,7 +302,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     existing = check_out_path(out)  # before any compute
     state = process_state(spec.timeout)
     main = state.is_main_process
-    job = _prepare(spec, state)
+    job = _prepare(spec, state, existing)
     # Every rank decides from what it saw of --out at start-up, so all decide (and refuse) alike;
     # the barrier keeps rank 0 from replacing the store before the others have looked.
     state.wait_for_everyone()
@@ -292,12 +317,15 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         if main:
             if spec.data.startswith("synthetic:"):
                 log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
+            for note in job.notes:
+                log(note)
             if action == "create":
                 FeatureStore.create(
                     out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
                     dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
-                    layouts=job.layers.stored_layouts(),
+                    layouts=job.layers.stored_layouts(), keys=job.dataset.keys(),
                 )  # fmt: skip
+                keep_index(out, job.dataset)
             held.enter_context(StoreLock(out))
         state.wait_for_everyone()
         store = FeatureStore.open(out)

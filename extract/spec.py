@@ -11,6 +11,7 @@ from .errors import ExtractError
 
 DTYPES = ("float16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DECODES = ("pil", "draft", "nvjpeg")
 
 
 @dataclass
@@ -36,6 +37,10 @@ class JobSpec:
     channels_last: bool = False
     writer_threads: int | None = None
     skip_bad_images: bool = False
+    image_key: str | None = None
+    label_key: str | None = None
+    decode: str = "pil"
+    exif_transpose: bool = False
     timeout: float = 1800.0
 
     def validate(self) -> None:
@@ -53,6 +58,8 @@ class JobSpec:
             raise ExtractError(f"--num-workers must be 0 or more, got {self.num_workers}")
         if self.dtype not in DTYPES:
             raise ExtractError(f"unknown --dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
+        if self.decode not in DECODES:
+            raise ExtractError(f"unknown --decode '{self.decode}'; choose one of {', '.join(DECODES)}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ExtractError(f"unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}")
 
