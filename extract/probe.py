@@ -35,7 +35,7 @@ from .linear import accuracy as streamed_accuracy
 from .reader import Features, open_features
 from .samples import Samples, default_pool, labelled_rows, select_layers
 
-__all__ = ["default_pool", "fit_logistic_regression", "probe", "probe_layers", "split"]
+__all__ = ["default_pool", "fit_logistic_regression", "probe", "probe_layers", "probe_rows", "split"]
 
 METHODS = ("linear", "knn")
 SOLVERS = ("auto", "lbfgs", "sgd")
@@ -131,6 +131,42 @@ def probe_layers(
     log: Callable[[str], None] = print,
 ) -> dict[str, dict[str, Any]]:
     """One record per layer (in model order): test accuracy and how it was obtained; logs one line each."""
+    train_features, train_rows, test_features, test_rows, how = _parts(store, train, test, test_fraction, seed)
+    names = select_layers(train_features.layers, layers, store=train_features.path)
+    if test_features is not train_features:
+        select_layers(test_features.layers, names, store=test_features.path)  # every layer in both stores
+    return probe_rows(
+        train_features, train_rows, test_features, test_rows, names, how=how, method=method, pool=pool, seed=seed,
+        epochs=epochs, lr=lr, weight_decay=weight_decay, solver=solver, max_full_batch_mib=max_full_batch_mib,
+        batch_size=batch_size, lrs=lrs, num_workers=num_workers, k=k, temperature=temperature, device=device, log=log,
+    )  # fmt: skip
+
+
+def probe_rows(
+    train_features: Features,
+    train_rows: np.ndarray,
+    test_features: Features,
+    test_rows: np.ndarray,
+    layers: Sequence[str],
+    *,
+    how: str,
+    method: str = "linear",
+    pool: str | None = None,
+    seed: int = 0,
+    epochs: int | None = None,
+    lr: float = 1.0,
+    weight_decay: float = 1e-3,
+    solver: str = "auto",
+    max_full_batch_mib: float = DEFAULT_MAX_FULL_BATCH_MIB,
+    batch_size: int = 256,
+    lrs: Sequence[float] = DEFAULT_LRS,
+    num_workers: int = 0,
+    k: int = DEFAULT_K,
+    temperature: float = DEFAULT_TEMPERATURE,
+    device: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, dict[str, Any]]:
+    """``probe_layers`` on given (sorted) train and test rows of opened stores; ``how`` says how they were chosen."""
     if method not in METHODS:
         raise ExtractError(f"unknown --method '{method}'; choose one of {', '.join(METHODS)}")
     if solver not in SOLVERS:
@@ -138,13 +174,9 @@ def probe_layers(
     if k < 1 or temperature <= 0:
         raise ExtractError(f"--k must be positive and --temperature above 0; got {k} and {temperature}")
     run_on = resolve_device(device)
-    train_features, train_rows, test_features, test_rows, how = _parts(store, train, test, test_fraction, seed)
-    names = select_layers(train_features.layers, layers, store=train_features.path)
-    if test_features is not train_features:
-        select_layers(test_features.layers, names, store=test_features.path)  # every layer in both stores
     num_classes = int(max(train_features.labels.max(), test_features.labels.max())) + 1
     records = {}
-    for layer in names:
+    for layer in layers:
         layer_pool = pool or default_pool(train_features, layer)
         train_part = Samples(train_features, layer, layer_pool, train_rows)
         test_part = Samples(test_features, layer, layer_pool, test_rows)
