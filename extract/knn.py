@@ -30,17 +30,28 @@ def knn_predict(
     temperature: float = DEFAULT_TEMPERATURE,
     device: str | torch.device = "cpu",
     train_block_bytes: int = BLOCK_BYTES,
-    test_block_bytes: int = 4 * BLOCK_BYTES,
+    test_block_bytes: int = BLOCK_BYTES,
+    similarity_bytes: int | None = None,
 ) -> np.ndarray:
-    """The predicted class of every test sample (in ``test.rows`` order)."""
+    """The predicted class of every test sample (in ``test.rows`` order).
+
+    Memory: a block of test and of training vectors (``*_block_bytes``) and the similarities between
+    them with their labels (about 24 bytes per pair: values, labels, and the merge with the top-k),
+    which ``similarity_bytes`` bounds (default 256 MiB on the CPU, 4 GiB on a GPU): queries come in
+    blocks small enough that a training block holds at least 4 chunks, and the training blocks are
+    shortened to fit (one chunk at least). Each test block streams the training set once."""
     device = torch.device(device)
+    if similarity_bytes is None:
+        similarity_bytes = 4 * 2**30 if device.type == "cuda" else 8 * BLOCK_BYTES
     k = min(k, len(train))
     predictions = np.empty(len(test), dtype=np.int64)
-    for part, queries, _ in test.blocks(test_block_bytes):
+    max_queries = max(1, similarity_bytes // (24 * 4 * train.features.chunk_size))
+    for part, queries, _ in test.blocks(test_block_bytes, max_rows=max_queries):
+        train_rows = max(1, similarity_bytes // (24 * len(queries))) - k
         queries = _normalized(queries, device)
         top_similarity = torch.full((len(queries), k), -torch.inf, device=device)
         top_label = torch.zeros((len(queries), k), dtype=torch.int64, device=device)
-        for _, keys, labels in train.blocks(train_block_bytes):
+        for _, keys, labels in train.blocks(train_block_bytes, max_rows=train_rows):
             similarity = queries @ _normalized(keys, device).T
             labels = labels.to(device).expand(len(queries), -1)
             # merge this block into the running top-k: top-k of (previous top-k, block)

@@ -31,8 +31,8 @@ class Standardizer:
     mean: torch.Tensor
     std: torch.Tensor
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.std
+    def __call__(self, x: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+        return x.sub_(self.mean).div_(self.std) if in_place else (x - self.mean) / self.std
 
     def to(self, device: torch.device) -> Standardizer:
         return Standardizer(self.mean.to(device), self.std.to(device))
@@ -42,15 +42,17 @@ def streaming_standardizer(samples: Samples) -> Standardizer:
     """Mean and std of ``samples`` in one pass over the store, accumulated in float64 (per block:
     Chan et al.'s pairwise merge of count, mean and sum of squared deviations)."""
     count, mean, m2 = 0, torch.zeros(samples.dim, dtype=torch.float64), torch.zeros(samples.dim, dtype=torch.float64)
-    for _, x, _ in samples.blocks():
-        x = x.double()
-        n, block_mean = len(x), x.mean(0)
-        block_m2 = (x - block_mean).square().sum(0)
-        delta = block_mean - mean
-        total = count + n
-        mean = mean + delta * (n / total)
-        m2 = m2 + block_m2 + delta.square() * (count * n / total)
-        count = total
+    rows = max(1, 2**22 // (8 * samples.dim))  # float64 copies of 4 MiB at a time, not of the whole block
+    for _, block, _ in samples.blocks():
+        for x in block.split(rows):
+            x = x.double()
+            n, part_mean = len(x), x.mean(0)
+            part_m2 = x.sub_(part_mean).square_().sum(0)
+            delta = part_mean - mean
+            total = count + n
+            mean = mean + delta * (n / total)
+            m2 = m2 + part_m2 + delta.square() * (count * n / total)
+            count = total
     std = (m2 / max(1, count - 1)).sqrt()  # unbiased, as torch.std in the full-batch path
     return Standardizer(mean.float(), std.float().clamp_min(1e-6))
 
@@ -99,7 +101,7 @@ def train_sgd(
     standardize = standardize.to(device)
     for epoch in range(epochs):
         for x, y in batches.epoch(epoch):
-            x, y = standardize(x.to(device)), y.to(device)
+            x, y = standardize(x.to(device), in_place=True), y.to(device)
             optimizer.zero_grad()
             # the models are independent, so the summed loss gives each its own gradient
             loss = sum(
@@ -117,7 +119,7 @@ def accuracy(models: Sequence[nn.Linear], samples: Samples, standardize: Standar
     standardize = standardize.to(device)
     correct = torch.zeros(len(models), dtype=torch.int64)
     for _, x, y in samples.blocks():
-        x, y = standardize(x.to(device)), y.to(device)
+        x, y = standardize(x.to(device), in_place=True), y.to(device)  # the block is ours: no second copy
         correct += torch.stack([(m(x).argmax(1) == y).sum() for m in models]).cpu()
     return (correct.double() / max(1, len(samples))).tolist()
 

@@ -15,7 +15,7 @@ from .layers import _matches, closest
 from .reader import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
-BLOCK_BYTES = 64 * 2**20
+BLOCK_BYTES = 16 * 2**20
 
 
 def select_layers(stored: Sequence[str], patterns: Sequence[str] | None, *, store: object = "the store") -> list[str]:
@@ -73,15 +73,21 @@ class Samples:
         values = self.features.load(self.layer, rows, pool=self.pool, as_torch=True)
         return values.reshape(len(rows), -1)
 
-    def block_rows(self, block_bytes: int = BLOCK_BYTES) -> int:
-        """Rows per block: whole chunks, about ``block_bytes`` of float32 vectors."""
+    def block_rows(self, block_bytes: int = BLOCK_BYTES, max_rows: int | None = None) -> int:
+        """Rows per block: whole chunks (at least one), about ``block_bytes`` of float32 vectors and
+        at most ``max_rows``."""
         chunk = self.features.chunk_size
-        return chunk * max(1, block_bytes // max(1, chunk * self.dim * 4))
+        chunks = block_bytes // max(1, chunk * self.dim * 4)
+        if max_rows is not None:
+            chunks = min(chunks, max_rows // chunk)
+        return chunk * max(1, chunks)
 
-    def blocks(self, block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    def blocks(
+        self, block_bytes: int = BLOCK_BYTES, max_rows: int | None = None
+    ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
         """(positions in ``rows``, features, labels) block by block in store order; each block is
         a run of whole chunks, so every chunk is read once per pass."""
-        span = self.block_rows(block_bytes)
+        span = self.block_rows(block_bytes, max_rows)
         if len(self.rows) == 0:
             return
         edges = np.arange(self.rows[0] - self.rows[0] % span, self.rows[-1] + span, span)
