@@ -147,7 +147,9 @@ def minibatch_cka(
     """Linear CKA between ``a``'s layers and ``b``'s (``a``'s own when ``b`` is None); rows are paired by position."""
     device = torch.device(device)
     if batch_size < 4:
-        raise ExtractError(f"--batch-size must be at least 4 (the unbiased estimator needs 4 samples), got {batch_size}")
+        raise ExtractError(
+            f"--batch-size must be at least 4 (the unbiased estimator needs 4 samples), got {batch_size}"
+        )
     same = b is None
     other = a if b is None else b
     cross = torch.zeros(len(a.layers), len(other.layers), dtype=torch.float64)
@@ -236,7 +238,12 @@ def format_matrix(cka: CKA) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m extract.compare", description="Linear CKA between the layers of one store or two.")
     p.add_argument("first", metavar="A.zarr[:LAYERS]", help="a store, optionally with comma-separated layers or globs")
-    p.add_argument("second", nargs="?", metavar="B.zarr[:LAYERS]", help="a second store: compare A's layers with B's over shared keys")
+    p.add_argument(
+        "second",
+        nargs="?",
+        metavar="B.zarr[:LAYERS]",
+        help="a second store: compare A's layers with B's over shared keys",
+    )
     p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per CKA minibatch (default 1024)")
     p.add_argument("--window", type=int, default=8, help="chunks read together and mixed into minibatches (default 8)")

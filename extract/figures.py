@@ -98,7 +98,9 @@ def cka_heatmap(cka: CKA, title: str = "Linear CKA between layers") -> Png:
     ax.set_ylabel("layer" if cka.rows == cka.cols else "layer (first store)")
     if max(len(cka.rows), len(cka.cols)) <= 12:
         for (i, j), value in np.ndenumerate(cka.matrix):
-            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < 0.6 else "black")
+            ax.text(
+                j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < 0.6 else "black"
+            )
     fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.8)
     ax.set_title(title)
     return _render(fig, title)
@@ -137,7 +139,9 @@ def neighbour_grid(rows: Sequence[Sequence[tuple[np.ndarray, str]]], layer: str)
     """One row per query: its thumbnail, then its nearest neighbours', each with a caption."""
     plt = _pyplot()
     cols = max(len(r) for r in rows)
-    fig, axes = plt.subplots(len(rows), cols, figsize=neighbours_size(len(rows), cols), layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(
+        len(rows), cols, figsize=neighbours_size(len(rows), cols), layout="constrained", squeeze=False
+    )
     for row_axes, row in zip(axes, rows, strict=True):
         for j, ax in enumerate(row_axes):
             ax.set_xticks([])

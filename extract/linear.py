@@ -114,7 +114,9 @@ def train_sgd(
 
 
 @torch.no_grad()
-def accuracy(models: Sequence[nn.Linear], samples: Samples, standardize: Standardizer, device: torch.device) -> list[float]:
+def accuracy(
+    models: Sequence[nn.Linear], samples: Samples, standardize: Standardizer, device: torch.device
+) -> list[float]:
     """Accuracy of each model on ``samples``, streamed block by block."""
     standardize = standardize.to(device)
     correct = torch.zeros(len(models), dtype=torch.int64)

@@ -104,7 +104,13 @@ def _parts(
         train_rows, test_rows = split(labelled_rows(features), test_fraction, seed)
         return features, train_rows, features, test_rows, f"split {1 - test_fraction:g}/{test_fraction:g} seed {seed}"
     train_features, test_features = _open(train), _open(test)
-    return train_features, labelled_rows(train_features), test_features, labelled_rows(test_features), "train/test stores"
+    return (
+        train_features,
+        labelled_rows(train_features),
+        test_features,
+        labelled_rows(test_features),
+        "train/test stores",
+    )
 
 
 def probe_layers(
@@ -191,9 +197,7 @@ def probe_rows(
             "num_classes": num_classes, "chance": 1 / num_classes,
         }  # fmt: skip
         if method == "knn":
-            predictions = knn_predict(
-                train_part, test_part, num_classes, k=k, temperature=temperature, device=run_on
-            )
+            predictions = knn_predict(train_part, test_part, num_classes, k=k, temperature=temperature, device=run_on)
             record.update(test_accuracy=float((predictions == test_part.labels).mean()), k=k, temperature=temperature)
             detail = f"k-NN k {k}, T {temperature:g}"
         else:
@@ -250,11 +254,15 @@ def _rates(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m extract.probe", description="Probe test accuracy (linear or k-NN) for each layer of a store.")
+    p = Parser(
+        prog="python -m extract.probe", description="Probe test accuracy (linear or k-NN) for each layer of a store."
+    )
     p.add_argument("store", nargs="?", help="a complete extract store, split into train and test by --test-fraction")
     p.add_argument("--train", metavar="STORE", help="train on this store (with --test; e.g. ImageNet train)")
     p.add_argument("--test", metavar="STORE", help="test on this store (with --train; e.g. ImageNet val)")
-    p.add_argument("--layers", nargs="+", metavar="L", help="layers or globs (encoder.layers.*) to probe (default: all)")
+    p.add_argument(
+        "--layers", nargs="+", metavar="L", help="layers or globs (encoder.layers.*) to probe (default: all)"
+    )
     p.add_argument("--method", default="linear", help="linear (default) or knn")
     p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
     p.add_argument("--test-fraction", type=float, default=0.2, help="held-out share of the samples (default 0.2)")
@@ -262,11 +270,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     p.add_argument("--device", help="cpu | cuda[:N] for k-NN and mini-batch training (default: a GPU if there is one)")
     linear = p.add_argument_group("linear")
-    linear.add_argument("--solver", default="auto", help="lbfgs | sgd | auto (default: L-BFGS when the train set fits --max-full-batch-mib)")
-    linear.add_argument("--max-full-batch-mib", type=float, default=DEFAULT_MAX_FULL_BATCH_MIB, help="largest float32 train set for L-BFGS (default 1024)")
-    linear.add_argument("--epochs", type=int, help="L-BFGS iterations (default 100) or SGD passes over the train set (default 10)")
+    linear.add_argument(
+        "--solver",
+        default="auto",
+        help="lbfgs | sgd | auto (default: L-BFGS when the train set fits --max-full-batch-mib)",
+    )
+    linear.add_argument(
+        "--max-full-batch-mib",
+        type=float,
+        default=DEFAULT_MAX_FULL_BATCH_MIB,
+        help="largest float32 train set for L-BFGS (default 1024)",
+    )
+    linear.add_argument(
+        "--epochs", type=int, help="L-BFGS iterations (default 100) or SGD passes over the train set (default 10)"
+    )
     linear.add_argument("--lr", type=float, default=1.0, help="L-BFGS step size (default 1)")
-    linear.add_argument("--lrs", type=_rates, default=list(DEFAULT_LRS), help="SGD learning rates swept on a held-out 10%% of the train set (default 0.01,0.03,0.1,0.3)")
+    linear.add_argument(
+        "--lrs",
+        type=_rates,
+        default=list(DEFAULT_LRS),
+        help="SGD learning rates swept on a held-out 10%% of the train set (default 0.01,0.03,0.1,0.3)",
+    )
     linear.add_argument("--batch-size", type=int, default=256, help="SGD batch size (default 256)")
     linear.add_argument("--num-workers", type=int, default=0, help="DataLoader workers reading SGD batches (default 0)")
     linear.add_argument("--weight-decay", type=float, default=1e-3, help="L2 penalty on the weights (default 1e-3)")

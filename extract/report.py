@@ -99,7 +99,9 @@ def _class_name(label: int, classes: list[str] | None) -> str:
     return classes[label] if classes and label < len(classes) else f"class {label}"
 
 
-def _accuracy_figures(report: Report, features: Features, layers: list[str], rows: np.ndarray, args: argparse.Namespace) -> None:
+def _accuracy_figures(
+    report: Report, features: Features, layers: list[str], rows: np.ndarray, args: argparse.Namespace
+) -> None:
     accuracies: dict[str, dict[str, float]] = {}
     for path in args.probe_json or []:
         try:
@@ -133,7 +135,9 @@ def _accuracy_figures(report: Report, features: Features, layers: list[str], row
     report.figures.append(figures.accuracy_curve(accuracies, layers, 1 / max(1, num_classes)))
 
 
-def _cka_figure(report: Report, features: Features, layers: list[str], rows: np.ndarray, args: argparse.Namespace) -> None:
+def _cka_figure(
+    report: Report, features: Features, layers: list[str], rows: np.ndarray, args: argparse.Namespace
+) -> None:
     if len(layers) < 2:
         report.notes.append("CKA heatmap skipped: one layer only")
         return
@@ -156,7 +160,9 @@ def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace
     keys, classes = _keys_and_classes(samples.features.path)
     root = image_root(samples.features.attrs.get("dataset"))
     if keys is None:
-        report.notes.append("nearest-neighbour thumbnails skipped: the store has no keys (an older store or synthetic data)")
+        report.notes.append(
+            "nearest-neighbour thumbnails skipped: the store has no keys (an older store or synthetic data)"
+        )
         return
     if root is None:
         report.notes.append(
@@ -223,8 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
     p.add_argument("--layers", nargs="+", metavar="L", help="layers or globs (default: all)")
     p.add_argument("--pca-layer", metavar="L", help="the layer of the PCA and neighbour figures (default: the deepest)")
-    p.add_argument("--probe-json", nargs="+", metavar="FILE", help="accuracies from extract.probe --json instead of probing here")
-    p.add_argument("--max-samples", type=int, default=5000, help="samples (drawn at random) the probes and CKA use (default 5000)")
+    p.add_argument(
+        "--probe-json", nargs="+", metavar="FILE", help="accuracies from extract.probe --json instead of probing here"
+    )
+    p.add_argument(
+        "--max-samples", type=int, default=5000, help="samples (drawn at random) the probes and CKA use (default 5000)"
+    )
     p.add_argument("--pca-samples", type=int, default=2000, help="samples in the PCA plot (default 2000)")
     p.add_argument("--queries", type=int, default=4, help="query samples with neighbour thumbnails (default 4)")
     p.add_argument("--neighbours", type=int, default=6, help="neighbours shown per query (default 6)")
@@ -237,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         if min(args.max_samples, args.pca_samples) < 10 or args.queries < 1 or args.neighbours < 1:
-            raise ExtractError("--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive")
+            raise ExtractError(
+                "--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive"
+            )
         args.device = resolve_device(args.device)
         report = build_report(args.store, args)
         try:

@@ -23,7 +23,12 @@ def array_store(
     for chunk, start in enumerate(range(0, n, chunk_size)):
         stop = min(start + chunk_size, n)
         store.write_chunk(
-            chunk, start, stop, {k: v[start:stop] for k, v in layers.items()}, labels[start:stop], np.ones(stop - start, bool)
+            chunk,
+            start,
+            stop,
+            {k: v[start:stop] for k, v in layers.items()},
+            labels[start:stop],
+            np.ones(stop - start, bool),
         )
     store.update_attrs(status="complete")
     return path

@@ -188,7 +188,10 @@ def test_minibatch_probe_matches_lbfgs_and_is_deterministic(tmp_path):
     again = probe_layers(store, solver="sgd", **QUIET)["feat"]
     assert again == sgd  # deterministic for a seed
     assert probe_layers(store, solver="auto", **QUIET)["feat"]["solver"] == "lbfgs"  # small N: the exact path
-    assert probe_layers(store, solver="auto", max_full_batch_mib=0.5, lrs=[0.1], epochs=1, **QUIET)["feat"]["solver"] == "sgd"
+    assert (
+        probe_layers(store, solver="auto", max_full_batch_mib=0.5, lrs=[0.1], epochs=1, **QUIET)["feat"]["solver"]
+        == "sgd"
+    )
 
 
 def test_streaming_standardizer_equals_full_statistics(tmp_path):
@@ -217,7 +220,12 @@ sys.exit(code)
 
 def peak_rss_mib(*args):
     # a fixed mmap threshold makes glibc return freed blocks, so RSS tracks what the probe holds
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+        "MALLOC_MMAP_THRESHOLD_": "1048576",
+    }
     result = subprocess.run([sys.executable, "-c", PEAK_RSS, *map(str, args)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     return int(result.stdout.splitlines()[-1]) / 1024
