@@ -192,6 +192,7 @@ def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace
         ]
         grid.append(row)
     report.figures.append(figures.neighbour_grid(grid, samples.layer))
+    report.notes.append(f"neighbour queries (under {root}): {', '.join(str(keys[samples.rows[q]]) for q in queries)}")
 
 
 def build_report(store: str | Path, args: argparse.Namespace) -> Report:
