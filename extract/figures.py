@@ -121,7 +121,8 @@ def pca_scatter(
         at = labels == label
         name = class_names[label] if 0 <= label < len(class_names) else ("no label" if label < 0 else str(label))
         colour = colours(i % colours.N) if len(classes) <= 20 else plt.get_cmap("viridis")(i / len(classes))
-        ax.scatter(points[at, 0], points[at, 1], s=8, color=colour, label=name, alpha=0.8, linewidths=0)
+        size = 16 if len(points) <= 500 else 6  # few points: bigger markers
+        ax.scatter(points[at, 0], points[at, 1], s=size, color=colour, label=name, alpha=0.8, linewidths=0)
     ax.set_xlabel(f"PC 1 ({100 * variance[0]:.1f}% of variance)")
     ax.set_ylabel(f"PC 2 ({100 * variance[1]:.1f}% of variance)")
     title = f"PCA of {layer} ({len(points)} samples)"

@@ -60,14 +60,16 @@ def streaming_standardizer(samples: Samples) -> Standardizer:
 class _Batches:
     """Shuffled mini-batches of some rows of one layer, from the store."""
 
-    def __init__(self, samples: Samples, rows: np.ndarray, batch_size: int, seed: int, window: int, workers: int):
+    def __init__(
+        self, samples: Samples, rows: np.ndarray, batch_size: int, seed: int, window: int, workers: int, pin: bool
+    ):
         features = samples.features
         self.dataset = FeatureDataset(features.path, samples.layer, pool=samples.pool, cache_chunks=window)
         self.sampler = ChunkShuffleSampler(
             features.num_samples, features.chunk_size, batch_size,
             num_workers=workers, window=window, seed=seed, rank=0, world_size=1, subset=rows,
         )  # fmt: skip
-        self.loader = DataLoader(self.dataset, batch_sampler=self.sampler, num_workers=workers)
+        self.loader = DataLoader(self.dataset, batch_sampler=self.sampler, num_workers=workers, pin_memory=pin)
 
     def epoch(self, epoch: int):
         self.sampler.set_epoch(epoch)
@@ -101,7 +103,7 @@ def train_sgd(
     standardize = standardize.to(device)
     for epoch in range(epochs):
         for x, y in batches.epoch(epoch):
-            x, y = standardize(x.to(device), in_place=True), y.to(device)
+            x, y = standardize(x.to(device, non_blocking=True), in_place=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
             # the models are independent, so the summed loss gives each its own gradient
             loss = sum(
@@ -158,14 +160,14 @@ def fit_minibatch(
         order = np.random.default_rng((seed, 2)).permutation(len(rows))
         held = np.sort(order[: max(1, round(holdout_fraction * len(rows)))])
         fit_rows = np.delete(rows, held)
-        batches = _Batches(train, fit_rows, batch_size, seed, window, num_workers)
+        batches = _Batches(train, fit_rows, batch_size, seed, window, num_workers, device.type == "cuda")
         models = train_sgd(
             batches, standardize, train.dim, num_classes, lrs, epochs=epochs, weight_decay=weight_decay, device=device
         )
         held_out = Samples(train.features, train.layer, train.pool, rows[held])
         sweep = dict(zip(lrs, accuracy(models, held_out, standardize, device), strict=True))
     best = max(sweep, key=lambda lr: (sweep[lr], -lr)) if len(lrs) > 1 else lrs[0]  # ties: the smaller rate
-    batches = _Batches(train, rows, batch_size, seed + 1, window, num_workers)
+    batches = _Batches(train, rows, batch_size, seed + 1, window, num_workers, device.type == "cuda")
     (model,) = train_sgd(
         batches, standardize, train.dim, num_classes, [best], epochs=epochs, weight_decay=weight_decay, device=device
     )
