@@ -71,7 +71,7 @@ class Samples:
     def read(self, rows: np.ndarray) -> torch.Tensor:
         """(len(rows), dim) float32 for store rows ``rows``."""
         values = self.features.load(self.layer, rows, pool=self.pool, as_torch=True)
-        return values.reshape(len(rows), -1)
+        return values.flatten(1)
 
     def block_rows(self, block_bytes: int = BLOCK_BYTES, max_rows: int | None = None) -> int:
         """Rows per block: whole chunks (at least one), about ``block_bytes`` of float32 vectors and

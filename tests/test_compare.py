@@ -160,3 +160,12 @@ def test_cka_of_an_extracted_store(cli, tmp_path, capsys):
     group = zarr.open_group(out, mode="r")
     pooled = [group[f"features/{layer}"][:].astype(np.float64).mean(axis=(2, 3)) for layer in ("layer3", "layer4")]
     assert got == pytest.approx(cka_closed_form(*pooled), abs=1e-3)
+
+
+@pytest.mark.cuda
+def test_cka_on_cuda_equals_cpu(tmp_path):
+    values = layers(200, seed=6)
+    store = array_store(tmp_path / "a.zarr", values, np.zeros(200, int), chunk_size=16)
+    cpu = minibatch_cka(one_side(store), batch_size=64, device="cpu").matrix
+    gpu = minibatch_cka(one_side(store), batch_size=64, device="cuda").matrix
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-9, atol=1e-9)

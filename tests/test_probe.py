@@ -164,6 +164,9 @@ def test_layer_globs_and_unknown_layers(tmp_path, capsys):
     assert "both --train STORE and --test STORE" in capsys.readouterr().err
     assert main([str(out), "--method", "svm"]) == 2
     assert "unknown --method 'svm'" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # without a GPU the default is the CPU; asking for one is an error
+        assert main([str(out), "--method", "knn", "--device", "cuda"]) == 2
+        assert "no CUDA device here; use --device cpu" in capsys.readouterr().err
 
 
 def gaussian_classes(n, dim=64, classes=10, seed=0):
