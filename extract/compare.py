@@ -262,6 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         if args.window < 1 or (args.max_samples is not None and args.max_samples < 4):
             raise ExtractError("--window must be positive and --max-samples at least 4")
+        if args.heatmap:
+            from .figures import _pyplot
+
+            _pyplot()  # a missing matplotlib fails before the work, not after it
         cka = compare(
             args.first, args.second, pool=args.pool, batch_size=args.batch_size, window=args.window,
             max_samples=args.max_samples, seed=args.seed, device=resolve_device(args.device),
