@@ -133,7 +133,7 @@ class MinibatchResult:
     model: nn.Linear
     standardize: Standardizer
     lr: float
-    sweep: dict[float, float]  # learning rate -> held-out accuracy
+    sweep: dict[float, float]  # learning rate -> held-out accuracy (empty when only one rate was given)
 
 
 def fit_minibatch(
@@ -155,7 +155,7 @@ def fit_minibatch(
     torch.manual_seed(seed)  # nothing random is drawn from torch, but a DataLoader's workers seed from it
     standardize = streaming_standardizer(train)
     rows = train.rows
-    sweep = {lrs[0]: math.nan}
+    sweep: dict[float, float] = {}
     if len(lrs) > 1:
         order = np.random.default_rng((seed, 2)).permutation(len(rows))
         held = np.sort(order[: max(1, round(holdout_fraction * len(rows)))])
