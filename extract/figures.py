@@ -58,6 +58,23 @@ def save(png: Png, path: str | Path) -> None:
         raise ExtractError(f"cannot write the figure to {path} ({e.strerror})") from None
 
 
+def short_names(names: Sequence[str]) -> tuple[str, list[str]]:
+    """The dotted prefix every name shares (``encoder.layers.``) and the names without it, so tick
+    labels stay short; no prefix when there is one name or stripping would leave an empty name."""
+    if len(names) < 2:
+        return "", list(names)
+    parts = [name.split(".") for name in names]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    prefix = ".".join(parts[0][:common]) + "." if common else ""
+    return prefix, [name[len(prefix) :] for name in names]
+
+
+def _layer_label(prefix: str, what: str = "layer") -> str:
+    return f"{what}: {prefix}*" if prefix else what
+
+
 def accuracy_size(num_layers: int) -> tuple[float, float]:
     return max(7.5, 2.5 + 0.45 * num_layers), 4.5
 
@@ -71,8 +88,9 @@ def accuracy_curve(accuracies: Mapping[str, Mapping[str, float]], layers: Sequen
     for (method, values), (marker, line) in zip(accuracies.items(), styles * len(accuracies), strict=False):
         ax.plot(x, [values.get(layer, np.nan) for layer in layers], marker=marker, linestyle=line, label=method)
     ax.axhline(chance, color="grey", linestyle="--", linewidth=1, label=f"chance ({chance:.3f})")
-    ax.set_xticks(x, layers, rotation=45 if len(layers) > 3 else 0, ha="right" if len(layers) > 3 else "center")
-    ax.set_xlabel("layer (model order)")
+    prefix, ticks = short_names(layers)
+    ax.set_xticks(x, ticks, rotation=45 if len(layers) > 3 else 0, ha="right" if len(layers) > 3 else "center")
+    ax.set_xlabel(_layer_label(prefix, "layer, in model order"))
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1.02)
     ax.grid(True, alpha=0.3)
@@ -82,27 +100,30 @@ def accuracy_curve(accuracies: Mapping[str, Mapping[str, float]], layers: Sequen
 
 
 def heatmap_size(num_rows: int, num_cols: int, label_chars: int) -> tuple[float, float]:
-    label = 0.07 * min(label_chars, 40)  # inches of tick labels
+    label = 0.08 * min(label_chars, 40)  # inches of tick labels
     cell = 0.5 if max(num_rows, num_cols) <= 12 else 0.3
-    return 2.2 + label + cell * num_cols, 1.2 + label + cell * num_rows
+    return 2.4 + label + cell * num_cols, 1.6 + label + cell * num_rows
 
 
 def cka_heatmap(cka: CKA, title: str = "Linear CKA between layers") -> Png:
     plt = _pyplot()
-    chars = max(len(name) for name in [*cka.rows, *cka.cols])
-    fig, ax = plt.subplots(figsize=heatmap_size(len(cka.rows), len(cka.cols), chars), layout="constrained")
+    row_prefix, rows = short_names(cka.rows)
+    col_prefix, cols = short_names(cka.cols)
+    chars = max(len(name) for name in [*rows, *cols])
+    fig, ax = plt.subplots(figsize=heatmap_size(len(rows), len(cols), chars), layout="constrained")
     image = ax.imshow(cka.matrix, vmin=0, vmax=1, cmap="magma", aspect="equal")
-    ax.set_xticks(range(len(cka.cols)), cka.cols, rotation=90)
-    ax.set_yticks(range(len(cka.rows)), cka.rows)
-    ax.set_xlabel("layer" if cka.rows == cka.cols else "layer (second store)")
-    ax.set_ylabel("layer" if cka.rows == cka.cols else "layer (first store)")
+    ax.set_xticks(range(len(cols)), cols, rotation=90)
+    ax.set_yticks(range(len(rows)), rows)
+    same = cka.rows == cka.cols
+    ax.set_xlabel(_layer_label(col_prefix, "layer" if same else "layer of the second store"))
+    ax.set_ylabel(_layer_label(row_prefix, "layer" if same else "layer of the first store"))
     if max(len(cka.rows), len(cka.cols)) <= 12:
         for (i, j), value in np.ndenumerate(cka.matrix):
             ax.text(
                 j, i, f"{value:.2f}", ha="center", va="center", fontsize=7, color="white" if value < 0.6 else "black"
             )
     fig.colorbar(image, ax=ax, label="linear CKA", shrink=0.8)
-    ax.set_title(title)
+    fig.suptitle(title)  # constrained layout keeps room for a suptitle above an equal-aspect image
     return _render(fig, title)
 
 

@@ -101,3 +101,12 @@ def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_st
         err == "extract.report: error: figures need matplotlib, which is not installed: pip install 'extract[report]'\n"
     )
     assert not (tmp_path / "none.html").exists()
+
+
+def test_tick_labels_drop_the_prefix_every_layer_shares():
+    assert figures.short_names(["encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_11"]) == (
+        "encoder.layers.",
+        ["encoder_layer_0", "encoder_layer_11"],
+    )
+    assert figures.short_names(["layer1.0", "layer1.1", "layer2.0"]) == ("", ["layer1.0", "layer1.1", "layer2.0"])
+    assert figures.short_names(["blocks.0", "blocks"]) == ("", ["blocks.0", "blocks"])  # never an empty name
