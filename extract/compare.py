@@ -8,7 +8,8 @@ both have the same N, which is said).
 
 The estimator is minibatch CKA (Nguyen, Raghu and Kornblith, 2021): the unbiased HSIC estimator of
 Song et al. (2012), summed over minibatches, CKA = sum HSIC(K, L) / sqrt(sum HSIC(K, K) sum HSIC(L, L)).
-Memory holds one window of chunks and one minibatch's Gram matrices per layer, whatever N is. The
+Memory holds one window of chunks of every layer (about 512 MiB unless ``--window`` says how many
+chunks) and one minibatch's Gram matrices per layer, whatever N is; each chunk is read once. The
 minibatches are drawn from windows of randomly chosen chunks (a store in class order must not give
 one-class minibatches, which would measure within-class similarity only).
 """
@@ -20,6 +21,7 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,9 @@ from .cli import Parser
 from .errors import ExtractError
 from .reader import Features, open_features
 from .samples import default_pool, select_layers
+
+# One window of chunks, every layer read, takes about this much memory (float32) unless --window says.
+WINDOW_BYTES = 512 * 2**20
 
 
 def _keys_and_classes(path: str | Path) -> tuple[np.ndarray | None, list[str] | None]:
@@ -43,7 +48,7 @@ def _keys_and_classes(path: str | Path) -> tuple[np.ndarray | None, list[str] | 
     return keys, (list(classes) if classes is not None else None)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Side:
     """Layers of one store and the rows of it that take part, paired by position with the other side's."""
 
@@ -52,10 +57,15 @@ class Side:
     pools: dict[str, str | None]
     rows: np.ndarray
 
+    @cached_property
+    def dims(self) -> dict[str, int]:
+        """Features per sample of each layer after pooling."""
+        return {layer: value.shape[1] for layer, value in self.read(np.arange(min(1, len(self.rows)))).items()}
+
     def read(self, positions: np.ndarray) -> dict[str, torch.Tensor]:
         rows = self.rows[positions]
         return {
-            layer: self.features.load(layer, rows, pool=self.pools[layer], as_torch=True).reshape(len(rows), -1)
+            layer: self.features.load(layer, rows, pool=self.pools[layer], as_torch=True).flatten(1)
             for layer in self.layers
         }
 
@@ -83,16 +93,22 @@ def shared_rows(a: Features, b: Features) -> tuple[np.ndarray, np.ndarray, str]:
 
 def _minibatches(
     rows: np.ndarray, chunk_size: int, batch_size: int, window: int, seed: int
-) -> Iterator[list[np.ndarray]]:
-    """Per window of randomly chosen chunks (of the first side's store), positions into ``rows``
-    shuffled and cut into minibatches; the window is read once."""
+) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
+    """Per window of ``window`` randomly chosen chunks (of the first side's store): the window's
+    positions into ``rows`` (sorted, to be read at once) and its minibatches, shuffled indices into them."""
     rng = np.random.default_rng(seed)
     chunk_of = rows // chunk_size
     chunks = rng.permutation(np.unique(chunk_of))
     for start in range(0, len(chunks), window):
         positions = np.flatnonzero(np.isin(chunk_of, chunks[start : start + window]))
-        positions = rng.permutation(positions)
-        yield [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
+        order = rng.permutation(len(positions))
+        yield positions, [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def default_window(sides: Sequence[Side], chunk_size: int, budget_bytes: int = WINDOW_BYTES) -> int:
+    """Chunks per window such that one window of every layer (float32) takes about ``budget_bytes``."""
+    row_bytes = sum(4 * side.dims[layer] for side in sides for layer in side.layers)
+    return max(1, budget_bytes // max(1, row_bytes * chunk_size))
 
 
 def _centered_grams(values: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -140,7 +156,7 @@ def minibatch_cka(
     b: Side | None = None,
     *,
     batch_size: int = 1024,
-    window: int = 8,
+    window: int | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> CKA:
@@ -156,13 +172,18 @@ def minibatch_cka(
     self_a = torch.zeros(len(a.layers), dtype=torch.float64)
     self_b = torch.zeros(len(other.layers), dtype=torch.float64)
     used = 0
-    for batches in _minibatches(a.rows, a.features.chunk_size, batch_size, window, seed):
-        for positions in batches:
-            n = len(positions)
+    if window is None:
+        window = default_window([a] if same else [a, other], a.features.chunk_size)
+    for positions, batches in _minibatches(a.rows, a.features.chunk_size, batch_size, window, seed):
+        values_a = a.read(positions)  # the whole window once: its chunks are read once per pass
+        values_b = values_a if same else other.read(positions)
+        for batch in batches:
+            n = len(batch)
             if n < 4:  # a window's last few rows: too few for the estimator
                 continue
-            grams_a = _centered_grams(a.read(positions), device)
-            grams_b = grams_a if same else _centered_grams(other.read(positions), device)
+            index = torch.from_numpy(batch)
+            grams_a = _centered_grams({k: v[index] for k, v in values_a.items()}, device)
+            grams_b = grams_a if same else _centered_grams({k: v[index] for k, v in values_b.items()}, device)
             weight = n / batch_size  # a short last batch counts for its size (still unbiased)
             cross += weight * _hsic1(grams_a, grams_b, n).cpu()
             if not same:
@@ -200,7 +221,7 @@ def compare(
     *,
     pool: str | None = None,
     batch_size: int = 1024,
-    window: int = 8,
+    window: int | None = None,
     max_samples: int | None = None,
     seed: int = 0,
     device: str | torch.device = "cpu",
@@ -246,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per CKA minibatch (default 1024)")
-    p.add_argument("--window", type=int, default=8, help="chunks read together and mixed into minibatches (default 8)")
+    p.add_argument(
+        "--window", type=int, help="chunks read together and mixed into minibatches (default: as many as 512 MiB hold)"
+    )
     p.add_argument("--max-samples", type=int, help="use this many samples drawn at random (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the minibatches (default 0)")
     p.add_argument("--device", help="cpu | cuda[:N] (default: a GPU if there is one)")
@@ -260,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        if args.window < 1 or (args.max_samples is not None and args.max_samples < 4):
+        if (args.window is not None and args.window < 1) or (args.max_samples is not None and args.max_samples < 4):
             raise ExtractError("--window must be positive and --max-samples at least 4")
         if args.heatmap:
             from .figures import _pyplot

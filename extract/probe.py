@@ -179,6 +179,10 @@ def probe_rows(
         raise ExtractError(f"unknown --solver '{solver}'; choose one of {', '.join(SOLVERS)}")
     if k < 1 or temperature <= 0:
         raise ExtractError(f"--k must be positive and --temperature above 0; got {k} and {temperature}")
+    if (epochs is not None and epochs < 1) or batch_size < 1 or num_workers < 0:
+        raise ExtractError(
+            f"--epochs and --batch-size must be positive, --num-workers 0 or more; got {epochs}, {batch_size}, {num_workers}"
+        )
     run_on = resolve_device(device)
     num_classes = int(max(train_features.labels.max(), test_features.labels.max())) + 1
     records = {}

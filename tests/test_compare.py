@@ -9,7 +9,7 @@ import zarr
 from PIL import Image
 from stores import add_keys, array_store
 
-from extract import ExtractError, open_features
+from extract import ExtractError, Features, open_features
 from extract.compare import Side, compare, main, minibatch_cka, parse_target
 
 
@@ -78,10 +78,19 @@ def test_equals_the_u_statistic_for_small_n(tmp_path):
     assert cka.num_samples == 9 and cka.rows == cka.cols == ["x", "y", "rotated"]
 
 
-def test_identity_orthogonal_and_scale_invariance(tmp_path):
+def test_identity_orthogonal_and_scale_invariance(tmp_path, monkeypatch):
     values = layers(300, seed=1)
     store = array_store(tmp_path / "a.zarr", values, np.zeros(300, int), chunk_size=32)
+    reads = []
+    original = Features.load
+    monkeypatch.setattr(
+        Features,
+        "load",
+        lambda self, layer, index, **kw: reads.append(len(index)) or original(self, layer, index, **kw),
+    )
     cka = minibatch_cka(one_side(store), batch_size=64, window=2)
+    assert sum(reads) == 3 * 300  # every sample of every layer read once: windows, not minibatches, are read
+    monkeypatch.undo()
     at = {name: i for i, name in enumerate(cka.rows)}
     np.testing.assert_allclose(np.diag(cka.matrix), 1.0, rtol=1e-12)  # identical layers
     assert cka.matrix[at["x"], at["rotated"]] == pytest.approx(1.0, abs=1e-6)  # x against x Q s
