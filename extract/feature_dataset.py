@@ -102,6 +102,15 @@ class ChunkShuffleSampler(Sampler[list[int]]):
     last few batches may make a worker read a chunk another one also read.
 
     The permutation depends on ``seed`` and the epoch (``set_epoch``), not on global RNG state.
+
+    In a multi-process (DDP) training loop each rank gets its own whole chunks: the epoch's chunk
+    order is the same on every rank (same seed and epoch) and rank r takes every ``world_size``-th
+    chunk of it, so ranks never read the same chunk and together cover every sample once. ``rank``
+    and ``world_size`` default to those of an initialized ``torch.distributed`` process group (0 and
+    1 without one). Ranks may get a chunk more or less than others, so their batch counts can differ
+    by about a chunk's worth: stop all ranks at the smallest ``len(sampler)`` or wrap the loop in DDP's
+    ``join()``. ``subset`` (an (N,) bool mask or sample indices) restricts the epoch to those samples
+    (a training split), keeping the chunk locality.
     """
 
     def __init__(
@@ -114,6 +123,9 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         window: int = 1,
         shuffle: bool = True,
         seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        subset: np.ndarray | Sequence[int] | None = None,
     ) -> None:
         if min(num_samples, chunk_size, batch_size, window) < 1 or num_workers < 0:
             raise ValueError("num_samples, chunk_size, batch_size and window must be positive, num_workers 0 or more")
@@ -121,6 +133,8 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         self.num_samples, self.chunk_size, self.batch_size = num_samples, chunk_size, batch_size
         self.streams = max(1, num_workers)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.rank, self.world_size = _rank_and_world_size(rank, world_size)
+        self.subset = None if subset is None else _as_mask(subset, num_samples)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -129,6 +143,8 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         rows = np.concatenate(
             [np.arange(c * self.chunk_size, min((c + 1) * self.chunk_size, self.num_samples)) for c in chunks]
         )
+        if self.subset is not None:
+            rows = rows[self.subset[rows]]
         return rng.permutation(rows) if self.shuffle else rows
 
     def _stream_chunks(self) -> list[np.ndarray]:
@@ -136,9 +152,12 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         rng = np.random.default_rng((self.seed, self.epoch))
         num_chunks = -(-self.num_samples // self.chunk_size)
         order = rng.permutation(num_chunks) if self.shuffle else np.arange(num_chunks)
-        return [order[w :: self.streams] for w in range(self.streams)]
+        mine = order[self.rank :: self.world_size]
+        return [mine[w :: self.streams] for w in range(self.streams)]
 
     def _stream_samples(self, chunks: np.ndarray) -> int:
+        if self.subset is not None:
+            return int(sum(self.subset[c * self.chunk_size : (c + 1) * self.chunk_size].sum() for c in chunks))
         return int(sum(min(self.chunk_size, self.num_samples - c * self.chunk_size) for c in chunks))
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -149,10 +168,32 @@ class ChunkShuffleSampler(Sampler[list[int]]):
             windows = [chunks[i : i + self.window] for i in range(0, len(chunks), self.window)]
             indices = np.concatenate([self._window_indices(w, rng) for w in windows] or [np.empty(0, np.int64)])
             streams.append([indices[i : i + self.batch_size].tolist() for i in range(0, len(indices), self.batch_size)])
-        for step in range(max(map(len, streams))):
+        for step in range(max(map(len, streams), default=0)):
             for batches in streams:
                 if step < len(batches):
                     yield batches[step]
 
     def __len__(self) -> int:
         return sum(-(-self._stream_samples(chunks) // self.batch_size) for chunks in self._stream_chunks())
+
+
+def _rank_and_world_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The given rank and world size, else the initialized process group's, else 0 of 1."""
+    if rank is None or world_size is None:
+        group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = rank if rank is not None else (torch.distributed.get_rank() if group else 0)
+        world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if group else 1)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size) and world_size positive; got rank {rank} of {world_size}")
+    return rank, world_size
+
+
+def _as_mask(subset: np.ndarray | Sequence[int], num_samples: int) -> np.ndarray:
+    subset = np.asarray(subset)
+    if subset.dtype == bool:
+        if subset.shape != (num_samples,):
+            raise ValueError(f"a boolean subset needs shape ({num_samples},), got {subset.shape}")
+        return subset
+    mask = np.zeros(num_samples, dtype=bool)
+    mask[subset.astype(np.int64)] = True
+    return mask

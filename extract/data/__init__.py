@@ -44,6 +44,15 @@ class DataOptions:
     exif_transpose: bool = False
 
 
+def _require(library: str, extra: str, spec: str) -> None:
+    try:
+        __import__(library)
+    except ImportError:
+        raise ExtractError(
+            f"--data {spec} needs the '{library}' package; install it with pip install 'extract[{extra}]'"
+        ) from None
+
+
 def _open(spec: str, image_size: int, options: DataOptions, ranks: Ranks | None, saved: bytes | None) -> Source:
     kind, _, rest = spec.partition(":")
     if kind == "synthetic":
@@ -67,10 +76,12 @@ def _open(spec: str, image_size: int, options: DataOptions, ranks: Ranks | None,
 
         return open_shards(rest, options.image_key, options.label_key, ranks, saved)
     if kind == "parquet":
+        _require("pyarrow", "parquet", spec)
         from .parquet import open_parquet
 
         return open_parquet(rest, options.image_key, options.label_key, ranks)
     if kind == "hf":
+        _require("datasets", "datasets", spec)
         from .hf import HFSource
 
         path, _, split = rest.partition(":")

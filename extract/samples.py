@@ -1,0 +1,102 @@
+"""What the probes and comparisons read: the layers a user names (globs as the CLI expands them), and
+the labelled rows of one layer of a store, read block by block so memory stays bounded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from .errors import ExtractError
+from .layers import _matches, closest
+from .reader import Features
+
+# Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
+BLOCK_BYTES = 16 * 2**20
+
+
+def select_layers(stored: Sequence[str], patterns: Sequence[str] | None, *, store: object = "the store") -> list[str]:
+    """Expand names and globs (``*`` stays within one dotted segment, as for ``--layers`` at extraction)
+    against a store's layers, in the store's (model) order; all of them when ``patterns`` is empty."""
+    if not patterns:
+        return list(stored)
+    picked: set[str] = set()
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            found = [name for name in stored if _matches(pattern, name)]
+        else:
+            found = [pattern] if pattern in stored else []
+        if not found:
+            raise ExtractError(
+                f"layer '{pattern}' is not in {store}; closest: {closest(pattern, list(stored))} "
+                f"(it has {len(stored)} layers: {', '.join(stored[:8])}{', ...' if len(stored) > 8 else ''})"
+            )
+        picked.update(found)
+    return [name for name in stored if name in picked]
+
+
+def default_pool(features: Features, layer: str) -> str | None:
+    """avg for (C, H, W) maps, cls for (T, D) tokens, nothing for vectors."""
+    return {3: "avg", 2: "cls"}.get(len(features.shapes[layer]))
+
+
+def labelled_rows(features: Features) -> np.ndarray:
+    """Sorted indices of the samples that have a label and features."""
+    return np.flatnonzero((features.labels >= 0) & features.valid)
+
+
+@dataclass
+class Samples:
+    """Some rows (sorted) of one layer, reduced by ``pool`` and flattened to vectors, with their labels."""
+
+    features: Features
+    layer: str
+    pool: str | None
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @cached_property
+    def labels(self) -> np.ndarray:
+        return self.features.labels[self.rows]
+
+    @cached_property
+    def dim(self) -> int:
+        return int(self.read(self.rows[:1]).shape[1])
+
+    def read(self, rows: np.ndarray) -> torch.Tensor:
+        """(len(rows), dim) float32 for store rows ``rows``."""
+        values = self.features.load(self.layer, rows, pool=self.pool, as_torch=True)
+        return values.flatten(1)
+
+    def block_rows(self, block_bytes: int = BLOCK_BYTES, max_rows: int | None = None) -> int:
+        """Rows per block: whole chunks (at least one), about ``block_bytes`` of float32 vectors and
+        at most ``max_rows``."""
+        chunk = self.features.chunk_size
+        chunks = block_bytes // max(1, chunk * self.dim * 4)
+        if max_rows is not None:
+            chunks = min(chunks, max_rows // chunk)
+        return chunk * max(1, chunks)
+
+    def blocks(
+        self, block_bytes: int = BLOCK_BYTES, max_rows: int | None = None
+    ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """(positions in ``rows``, features, labels) block by block in store order; each block is
+        a run of whole chunks, so every chunk is read once per pass."""
+        span = self.block_rows(block_bytes, max_rows)
+        if len(self.rows) == 0:
+            return
+        edges = np.arange(self.rows[0] - self.rows[0] % span, self.rows[-1] + span, span)
+        bounds = np.searchsorted(self.rows, edges)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            if lo < hi:
+                part = slice(int(lo), int(hi))
+                yield part, self.read(self.rows[part]), torch.from_numpy(self.labels[part])
+
+    def load(self) -> torch.Tensor:
+        """Every row at once (the exact full-batch path, for small N)."""
+        return self.read(self.rows)

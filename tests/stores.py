@@ -1,0 +1,43 @@
+"""Stores for probe / compare / report tests: from arrays (controlled data), and keys + classes
+written into a CLI store the way the data engineer's change will write them."""
+
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from extract.store import FeatureStore
+
+
+def array_store(
+    path: Path, layers: dict[str, np.ndarray], labels: np.ndarray, chunk_size: int, dataset: str = "synthetic:0"
+) -> Path:
+    """A complete extract store holding ``layers`` (name -> (N, ...) array) and ``labels``."""
+    n = len(labels)
+    store = FeatureStore.create(
+        path, shapes={k: v.shape[1:] for k, v in layers.items()}, num_samples=n, chunk_size=chunk_size,
+        dtype="float32", compressor="none",
+        attrs={"layers": list(layers), "num_samples": n, "chunk_size": chunk_size, "status": "running",
+               "dataset": dataset},
+    )  # fmt: skip
+    for chunk, start in enumerate(range(0, n, chunk_size)):
+        stop = min(start + chunk_size, n)
+        store.write_chunk(
+            chunk,
+            start,
+            stop,
+            {k: v[start:stop] for k, v in layers.items()},
+            labels[start:stop],
+            np.ones(stop - start, bool),
+        )
+    store.update_attrs(status="complete")
+    return path
+
+
+def add_keys(path: Path, keys: list[str], classes: list[str] | None = None) -> None:
+    """Root ``keys`` (N,) strings and the ``classes`` attribute, as stores will have them."""
+    group = zarr.open_group(path, mode="r+")
+    array = group.create_array("keys", shape=(len(keys),), dtype=str, dimension_names=("sample",))
+    array[:] = np.array(keys, dtype=object)
+    if classes is not None:
+        group.attrs["classes"] = classes
