@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zarr
 
 from .cli import Parser
 from .errors import ExtractError
@@ -37,15 +36,13 @@ from .samples import default_pool, select_layers
 WINDOW_BYTES = 512 * 2**20
 
 
-def _keys_and_classes(path: str | Path) -> tuple[np.ndarray | None, list[str] | None]:
-    """The store's ``keys`` (N,) and ``classes`` attribute, None where absent (older stores, synthetic data).
-
-    Read straight from the zarr group until the reader's ``features.keys`` / ``features.classes`` exist;
-    this is the one place to switch to them."""
-    group = zarr.open_group(path, mode="r")
-    keys = np.asarray(group["keys"][:], dtype=object) if "keys" in group else None
-    classes = group.attrs.get("classes")
-    return keys, (list(classes) if classes is not None else None)
+def keys_and_classes(features: Features) -> tuple[np.ndarray | None, list[str] | None]:
+    """The store's ``keys`` (N,) and class names, None where absent (stores written before keys)."""
+    try:
+        keys = np.asarray(features.keys, dtype=object)
+    except ExtractError:
+        keys = None
+    return keys, features.classes
 
 
 @dataclass
@@ -72,8 +69,8 @@ class Side:
 
 def shared_rows(a: Features, b: Features) -> tuple[np.ndarray, np.ndarray, str]:
     """Rows of ``a`` and of ``b`` holding the same samples (valid in both), in ``a``'s order, and how they matched."""
-    keys_a, _ = _keys_and_classes(a.path)
-    keys_b, _ = _keys_and_classes(b.path)
+    keys_a, _ = keys_and_classes(a)
+    keys_b, _ = keys_and_classes(b)
     if keys_a is not None and keys_b is not None:
         _, rows_a, rows_b = np.intersect1d(keys_a, keys_b, assume_unique=False, return_indices=True)
         how = f"{len(rows_a)} samples matched by key"

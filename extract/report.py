@@ -29,7 +29,7 @@ from PIL import Image
 
 from . import figures
 from .cli import Parser
-from .compare import Side, _keys_and_classes, minibatch_cka
+from .compare import Side, keys_and_classes, minibatch_cka
 from .errors import ExtractError
 from .probe import probe_rows, resolve_device, split
 from .reader import Features, open_features
@@ -157,7 +157,7 @@ def _pca_figure(report: Report, samples: Samples, classes: list[str] | None) -> 
 
 
 def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace) -> None:
-    keys, classes = _keys_and_classes(samples.features.path)
+    keys, classes = keys_and_classes(samples.features)
     root = image_root(samples.features.attrs.get("dataset"))
     if keys is None:
         report.notes.append(
@@ -214,7 +214,7 @@ def build_report(store: str | Path, args: argparse.Namespace) -> Report:
     )  # fmt: skip
     _accuracy_figures(report, features, layers, rows, args)
     _cka_figure(report, features, layers, rows, args)
-    _, classes = _keys_and_classes(features.path)
+    _, classes = keys_and_classes(features)
     pca_rows = rows
     if len(rows) > args.pca_samples:
         pca_rows = np.sort(np.random.default_rng((args.seed, 6)).choice(rows, args.pca_samples, replace=False))

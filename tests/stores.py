@@ -1,5 +1,5 @@
 """Stores for probe / compare / report tests: from arrays (controlled data), and keys + classes
-written into a CLI store the way the data engineer's change will write them."""
+written into array stores (the CLI writes its own)."""
 
 from pathlib import Path
 

@@ -7,9 +7,8 @@ import sys
 
 import pytest
 from PIL import Image
-from stores import add_keys
 
-from extract import figures
+from extract import figures, open_features
 from extract.report import main
 
 IMAGES = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" width="(\d+)" height="(\d+)" alt="([^"]*)"')
@@ -38,7 +37,9 @@ def folder_store(tmp_path_factory, png_tree):
     assert extract_main(["--model", "resnet18", "--weights", "none", "--image-size", "32", "--layers", "layer2",
                          "layer3", "layer4", "--pool", "avg", "--data", f"imagefolder:{root}", "--chunk-size", "4",
                          "--num-workers", "0", "--out", str(out)]) == 0  # fmt: skip
-    add_keys(out, [str(path.relative_to(root)) for path, _ in files], ["cat", "dog"])
+    features = open_features(out)  # the extraction records where each row came from, and the class names
+    assert features.keys.tolist() == [str(path.relative_to(root)) for path, _ in files]
+    assert features.classes == ["cat", "dog"]
     return out
 
 
@@ -72,7 +73,7 @@ def test_report_embeds_every_figure_at_its_size(folder_store, png_tree, tmp_path
     assert "thumbnails skipped" not in html
 
 
-def test_report_without_keys_skips_thumbnails_with_a_note(cli, tmp_path, capsys):
+def test_report_without_image_files_skips_thumbnails_with_a_note(cli, tmp_path, capsys):
     store = tmp_path / "synthetic.zarr"
     code, _, err = cli("--model", "resnet18", "--weights", "none", "--image-size", "32", "--layers", "layer3",
                        "layer4", "--pool", "avg", "--data", "synthetic:30", "--num-workers", "0", "--out", store)  # fmt: skip
@@ -81,7 +82,7 @@ def test_report_without_keys_skips_thumbnails_with_a_note(cli, tmp_path, capsys)
     assert main([str(store), "--out", str(out), "--layers", "layer*"]) == 0
     html = out.read_text()
     assert len(embedded(html)) == 3
-    assert "nearest-neighbour thumbnails skipped: the store has no keys" in html
+    assert "nearest-neighbour thumbnails skipped: the keys of &#x27;synthetic:30&#x27; are not file paths" in html
 
 
 def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_store, tmp_path, capsys, monkeypatch):
