@@ -73,9 +73,9 @@ JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
-# The node is what this file says (nproc may be less than the hardware: containers, affinity).
+# The node is what this file says: the CPUs this process may use (nproc, which OMP_NUM_THREADS would lower).
 SlurmdParameters=config_overrides
-NodeName=$node NodeAddr=127.0.0.1 NodeHostname=$node CPUs=$(nproc) RealMemory=$memory_mib State=UNKNOWN
+NodeName=$node NodeAddr=127.0.0.1 NodeHostname=$node CPUs=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) RealMemory=$memory_mib State=UNKNOWN
 PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
     mv "$conf.new" "$conf"
