@@ -49,25 +49,30 @@ main_node=$(head -n 1 <<<"$nodes")
 main_port=${MAIN_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 total=$((num_nodes * per_node))
 
-if ((total > 1)); then
-    mode=(--multi_gpu) # on CPU too: accelerate then starts real processes on gloo (--cpu would start one)
-elif ((gpus > 0)); then
-    mode=()
+if ((total == 1)); then
+    # One process: extract itself, with no launcher between it and SLURM's signals (accelerate's
+    # single-process launcher dies at SIGTERM, and the step's end would then kill extract mid-write).
+    command=(python -m extract "$@")
 else
-    mode=(--cpu)
+    # --multi_gpu on CPU nodes too: accelerate then starts real processes on gloo (--cpu starts one).
+    command=(accelerate launch --multi_gpu --num_processes "$total" --num_machines "$num_nodes"
+        --machine_rank @NODEID@ --main_process_ip "$main_node" --main_process_port "$main_port"
+        --mixed_precision no --dynamo_backend no)
+    # Threads per process from the CPUs SLURM gave the task (accelerate would divide the whole machine's).
+    if ((${SLURM_CPUS_PER_TASK:-0} >= per_node)); then
+        command+=(--num_cpu_threads_per_process $((SLURM_CPUS_PER_TASK / per_node)))
+    fi
+    command+=(-m extract "$@")
 fi
-launch=(accelerate launch "${mode[@]}" --num_processes "$total" --num_machines "$num_nodes"
-    --main_process_ip "$main_node" --main_process_port "$main_port" --mixed_precision no --dynamo_backend no)
-# Threads per process from the CPUs SLURM gave the task (accelerate would divide the whole machine's).
-if ((${SLURM_CPUS_PER_TASK:-0} >= per_node)); then
-    launch+=(--num_cpu_threads_per_process $((SLURM_CPUS_PER_TASK / per_node)))
-fi
+
+# What runs on each node: the command, its SLURM_NODEID (set there by srun) in place of @NODEID@.
+on_node='args=(); for a; do [[ $a == @NODEID@ ]] && a=$SLURM_NODEID; args+=("$a"); done; exec "${args[@]}"'
 
 if [[ -n ${EXTRACT_SLURM_DRY_RUN:-} ]]; then
     rank=0
     for node in $nodes; do
         printf 'node %s %s:' "$rank" "$node"
-        printf ' %q' "${launch[@]}" --machine_rank "$rank" -m extract "$@"
+        SLURM_NODEID=$rank bash -c "$on_node" node printf ' %q' "${command[@]}"
         echo
         rank=$((rank + 1))
     done
@@ -75,8 +80,4 @@ if [[ -n ${EXTRACT_SLURM_DRY_RUN:-} ]]; then
 fi
 
 echo "extract: $num_nodes node(s) x $per_node process(es), main node $main_node:$main_port"
-# One launcher per node; on each, SLURM_NODEID (set there by srun) is its machine rank, inserted
-# after the launcher's own arguments (the first N of the command) and before `-m extract ...`.
-srun --kill-on-bad-exit=1 --nodes="$num_nodes" --ntasks="$num_nodes" \
-    bash -c 'n=$1; shift; exec "${@:1:n}" --machine_rank "$SLURM_NODEID" "${@:n+1}"' \
-    launcher "${#launch[@]}" "${launch[@]}" -m extract "$@"
+srun --kill-on-bad-exit=1 --nodes="$num_nodes" --ntasks="$num_nodes" bash -c "$on_node" node "${command[@]}"
