@@ -1,7 +1,7 @@
 #!/bin/bash
 # Extraction under SLURM: one `accelerate launch` per node, each starting that node's processes
-# (one per GPU, or CPU processes on a CPU-only partition). The store (--out) must be on a filesystem
-# every node sees. Arguments are extract's own flags:
+# (one per GPU, or CPU processes on a CPU-only partition; a job of one process runs extract without a
+# launcher). The store (--out) must be on a filesystem every node sees. Arguments are extract's flags:
 #
 #   sbatch jobs/slurm_multinode.sh --model resnet50 --layers layer3 layer4 \
 #       --data imagefolder:/data/imagenet/train --out /shared/features/train.zarr
@@ -14,7 +14,9 @@
 #   getting cpus-per-task / P threads. Try it on this machine first: README, "SLURM".
 # - Time limit: --time. SIGTERM reaches every process of the job's steps --signal's lead time (120 s
 #   here) before the limit; each process finishes its current batch, writes and marks done the chunks
-#   it completed, and exits 143. Make the lead time exceed one batch plus writing a chunk per layer,
+#   it completed, and exits 143 (under a launcher a rank also gets the launcher's copy of the signal,
+#   and a second signal stops it at once: complete chunks stay marked done, the batch in flight is
+#   redone by the next run). Make the lead time exceed one batch plus writing a chunk per layer,
 #   with a margin: SLURM checks limits every 30 s and may signal up to 60 s early. Past the limit
 #   SLURM sends SIGTERM then, KillWait seconds later (a cluster setting, often 30 s), SIGKILL.
 #   Keep the signal on the steps: `B:TERM@...` would signal only this shell, not the extraction.
