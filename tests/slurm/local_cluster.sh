@@ -108,7 +108,7 @@ start() {
 }
 
 stop() {
-    local pid name
+    local pid name alive
     if ours slurmctld >/dev/null; then
         # Jobs first, while slurmd can still end their steps (it leaves them running if it goes first).
         SLURM_CONF=$conf scancel --full --quiet --state=PENDING,RUNNING,SUSPENDED --user="$(id -un)" 2>/dev/null || true
@@ -117,16 +117,18 @@ stop() {
             sleep 0.2
         done
     fi
+    local pids=()
     for name in slurmd slurmctld munged; do
-        pid=$(ours "$name") || continue
-        kill "$pid"
-        for _ in $(seq 50); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
-        rm -f "$dir/$name.pid"
+        pid=$(ours "$name") && kill "$pid" && pids+=("$pid")
     done
+    for _ in $(seq 100); do # up to 10 s for a clean exit (slurmctld saves its state)
+        alive=0
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        ((alive)) || break
+        sleep 0.1
+    done
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"; done
+    rm -f "$dir"/{slurmd,slurmctld,munged}.pid
     return 0
 }
 
