@@ -52,8 +52,9 @@ main_port=${MAIN_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
 total=$((num_nodes * per_node))
 
 if ((total == 1)); then
-    # One process: extract itself, with no launcher between it and SLURM's signals (accelerate's
-    # single-process launcher dies at SIGTERM, and the step's end would then kill extract mid-write).
+    # One process: extract itself, with no launcher. accelerate's single-process launcher dies at
+    # SIGTERM; SLURM then ends the step, signalling extract a second time, which stops it at once
+    # instead of after its batch (measured: "interrupted;" instead of "interrupted by SIGTERM: N chunks").
     command=(python -m extract "$@")
 else
     # --multi_gpu on CPU nodes too: accelerate then starts real processes on gloo (--cpu starts one).
