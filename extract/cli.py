@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from .errors import ExtractError
 from .interrupt import Interrupted
 from .pooling import POOL_CHOICES
-from .spec import DTYPES, PRECISIONS, JobSpec
+from .spec import DTYPES, PRECISIONS, JobSpec, check_types
 from .store import COMPRESSORS
 from .writer import WriterError
 
@@ -95,6 +95,7 @@ def _from_config(path: str) -> dict[str, Any]:
         options[name] = value
     if isinstance(options.get("layers"), str):
         options["layers"] = [options["layers"]]
+    check_types(options, f"--config {path}: key")
     return options
 
 
@@ -125,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"extract: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as e:
-        print(f"extract: {e}", file=sys.stderr, flush=True)
+        if not e.quiet:
+            print(f"extract: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except WriterError as e:
         print(

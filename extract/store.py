@@ -1,24 +1,31 @@
-"""The zarr v3 store a job writes (layout in DESIGN.md): created by rank 0, written chunk-wise by all."""
+"""The zarr v3 store a job writes (layout in DESIGN.md): created by rank 0, written chunk-wise by all.
+
+Every object carries a crc32c checksum (zarr's ``Crc32cCodec`` after compression), so a torn, truncated
+or garbage object fails to decode instead of being read as data. The store is built beside its target
+and renamed into place, so a crash during creation never leaves half a store at ``--out``.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import ExtractError
-from .lock import check_unlocked
 
 FORMAT = "extract-features"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every object has a crc32c checksum
+KNOWN_FORMAT_VERSIONS = (1, 2)
 COMPRESSORS = ("zstd", "blosc", "none")
+SCRATCH = (".creating-", ".trash-")  # sibling directories of a store being built or deleted
 
 
 def codecs(compressor: str) -> list[Any] | None:
@@ -39,6 +46,11 @@ def dimension_names(layer: str, ndim: int) -> tuple[str, ...]:
     return ("sample", *(f"{layer}.{n}" for n in names))
 
 
+def _checked(compressors: list[Any] | None) -> list[Any]:
+    """The checksum goes last: it covers the bytes as stored, after compression."""
+    return [*(compressors or []), Crc32cCodec()]
+
+
 def _store_attrs(path: Path) -> dict[str, Any] | None:
     meta = path / "zarr.json"
     if not meta.is_file():
@@ -54,6 +66,8 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
     """Refuse an ``--out`` that cannot become a store, before any compute.
 
     Returns the attributes of an existing extract store there, or ``None`` when there is none yet.
+    Whether an existing store can be written is decided later (a complete one on a read-only mount
+    is fine: there is nothing to write).
     """
     if path.is_file():
         raise ExtractError(f"--out {path} is a regular file, not a store; choose another --out")
@@ -63,20 +77,25 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
             raise ExtractError(
                 f"--out {path} is a directory that is not an extract store; choose a new path (it is never overwritten)"
             )
-        if attrs is not None:
-            check_unlocked(path)
-        _check_writable(path, f"--out {path} is not writable")
         return attrs
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise ExtractError(f"--out {path}: {parent} is a file, not a directory; choose another --out")
-    _check_writable(parent, f"--out {path}: cannot create it under {parent} (not writable)")
+    check_writable(parent, f"--out {path}: cannot create it under {parent} (not writable)")
     return None
 
 
-def _check_writable(directory: Path, problem: str) -> None:
+def sweep_scratch(path: Path) -> None:
+    """Delete what a killed creation or overwrite left beside ``path``. Only the lock's holder calls this:
+    nobody else can be building or deleting there."""
+    for entry in path.parent.iterdir() if path.parent.is_dir() else []:
+        if any(entry.name.startswith(f".{path.name}{kind}") for kind in SCRATCH):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def check_writable(directory: Path, problem: str) -> None:
     # os.access says yes to root even on a read-only filesystem; creating a file tells the truth.
     try:
         with tempfile.TemporaryFile(dir=directory):
@@ -106,8 +125,34 @@ class FeatureStore:
         attrs: dict[str, Any],
         overwrite: bool = False,
     ) -> FeatureStore:
-        if overwrite and _store_attrs(path) is not None:
-            shutil.rmtree(path)
+        """Build the store beside ``path`` and rename it into place: a kill or a full disk at any instant
+        leaves either no store or the whole skeleton. ``overwrite`` first moves the old store aside
+        (one rename), then deletes it: an interrupted overwrite leaves the old store or nothing."""
+        scratch = path.with_name(f".{path.name}.creating-{os.getpid()}")
+        trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
+        try:
+            cls._build(scratch, shapes, num_samples, chunk_size, dtype, compressor, attrs)
+            if overwrite and _store_attrs(path) is not None:
+                os.rename(path, trash)
+            os.rename(scratch, path)  # replaces an absent path or an empty directory
+        except OSError as e:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise ExtractError(
+                f"--out {path}: cannot create the store ({e.strerror or e}); free space or choose another --out"
+            ) from None
+        shutil.rmtree(trash, ignore_errors=True)
+        return cls.open(path)
+
+    @staticmethod
+    def _build(
+        path: Path,
+        shapes: Mapping[str, tuple[int, ...]],
+        num_samples: int,
+        chunk_size: int,
+        dtype: str,
+        compressor: str,
+        attrs: dict[str, Any],
+    ) -> None:
         group = zarr.open_group(
             path, mode="w", attributes={"format": FORMAT, "format_version": FORMAT_VERSION, **attrs}
         )
@@ -119,28 +164,61 @@ class FeatureStore:
                 chunks=(chunk_size, *shape),
                 dtype=dtype,
                 fill_value=np.nan,
-                compressors=codecs(compressor),
+                compressors=_checked(codecs(compressor)),
                 dimension_names=dimension_names(layer, len(shape)),
             )
         group.create_array(
             "labels", shape=(num_samples,), chunks=(chunk_size,), dtype="int64", fill_value=-1,
-            dimension_names=("sample",),
+            compressors=_checked(codecs("zstd")), dimension_names=("sample",),
         )  # fmt: skip
         group.create_array(
             "valid", shape=(num_samples,), chunks=(chunk_size,), dtype="bool", fill_value=False,
-            dimension_names=("sample",),
+            compressors=_checked(codecs("zstd")), dimension_names=("sample",),
         )  # fmt: skip
         num_chunks = -(-num_samples // chunk_size)
         group.create_array(
-            "done", shape=(num_chunks,), chunks=(1,), dtype="bool", fill_value=False, dimension_names=("chunk",)
-        )
-        return cls(group, path)
+            "done", shape=(num_chunks,), chunks=(1,), dtype="bool", fill_value=False,
+            compressors=[Crc32cCodec()], dimension_names=("chunk",),
+        )  # fmt: skip
 
     @classmethod
     def open(cls, path: Path, mode: str = "r+") -> FeatureStore:
-        if _store_attrs(path) is None:
+        """Open and validate: a known format version, every array there, shapes that agree with
+        ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed."""
+        attrs = _store_attrs(path)
+        if attrs is None:
             raise ExtractError(f"{path} is not an extract store")
-        return cls(zarr.open_group(path, mode=mode), path)
+        version = attrs.get("format_version")
+        if version not in KNOWN_FORMAT_VERSIONS:
+            raise ExtractError(
+                f"{path} has format_version {version!r}; this extract knows {', '.join(map(str, KNOWN_FORMAT_VERSIONS))} "
+                "(a newer extract wrote it, or its zarr.json was edited)"
+            )
+        store = cls(zarr.open_group(path, mode=mode), path)
+        store._validate(attrs)
+        return store
+
+    def _validate(self, attrs: dict[str, Any]) -> None:
+        n, c = attrs.get("num_samples"), attrs.get("chunk_size")
+        if not (type(n) is int and type(c) is int and n >= 1 and c >= 1):
+            raise ExtractError(f"{self.path}: num_samples {n!r} and chunk_size {c!r} must be positive integers")
+        num_chunks = -(-n // c)
+        expected = {f"features/{layer}": None for layer in attrs.get("layers", [])}
+        expected.update(labels=None, valid=None)
+        for name in [*expected, "done"]:
+            try:
+                array = self.array(name)
+            except KeyError:
+                raise ExtractError(
+                    f"{self.path} has no array '{name}': it is damaged or not finished being created; "
+                    "rerun the job with --overwrite"
+                ) from None
+            rows, chunk = (num_chunks, 1) if name == "done" else (n, c)
+            if array.shape[:1] != (rows,) or array.chunks[:1] != (chunk,):
+                raise ExtractError(
+                    f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
+                    f"but the metadata say num_samples {n} and chunk_size {c}; the store was edited or damaged"
+                )
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -157,8 +235,52 @@ class FeatureStore:
             self._arrays[name] = array.with_config({"write_empty_chunks": True})
         return self._arrays[name]
 
+    def done_flags(self) -> np.ndarray:
+        """``done`` as (K,) bool; a ``done`` object that fails its checksum counts as not done."""
+        done = self.array("done")
+        try:
+            return done[:]
+        except ValueError:
+            flags = np.zeros(done.shape, dtype=bool)
+            for k in range(len(flags)):
+                try:
+                    flags[k] = done[k]
+                except ValueError:
+                    pass
+            return flags
+
     def pending_chunks(self) -> list[int]:
-        return np.flatnonzero(~self.array("done")[:]).tolist()
+        return np.flatnonzero(~self.done_flags()).tolist()
+
+    def sample_arrays(self) -> Iterator[tuple[str, zarr.Array]]:
+        """Every per-sample array (features, labels, valid and any other with N rows), by path."""
+        n = self.attrs["num_samples"]
+        for name, member in self.group.members(max_depth=None):
+            if isinstance(member, zarr.Array) and name != "done" and member.shape[:1] == (n,):
+                yield name, self.array(name)
+
+    def object_path(self, array: zarr.Array, chunk: int) -> Path:
+        """The file of ``array``'s chunk ``chunk`` (the whole row range of data chunk ``chunk``)."""
+        return self.path / array.path / array.metadata.encode_chunk_key((chunk, *[0] * (array.ndim - 1)))
+
+    def missing_objects(self, chunks: list[int] | None = None) -> dict[int, list[str]]:
+        """The cheap check: for each done chunk (or each of ``chunks``), the arrays whose object is absent.
+        Every chunk written is stored (write_empty_chunks), so an absent one was lost."""
+        chunks = np.flatnonzero(self.done_flags()).tolist() if chunks is None else chunks
+        missing: dict[int, list[str]] = {}
+        for name, array in self.sample_arrays():
+            for k in chunks:
+                if not self.object_path(array, k).is_file():
+                    missing.setdefault(k, []).append(name)
+        return missing
+
+    def clear_done(self, chunks: list[int]) -> None:
+        """Mark ``chunks`` not done (their objects were lost or damaged): a rerun recomputes exactly those."""
+        done = self.array("done")
+        for k in chunks:
+            self.object_path(done, k).unlink(missing_ok=True)  # an absent object reads as False (progress counts files)
+        if chunks and self.attrs.get("status") == "complete":
+            self.update_attrs(status="running")
 
     def write_chunk(
         self,
