@@ -88,7 +88,7 @@ def _describe(expected: Any) -> str:
     if get_origin(expected) is types.UnionType:
         return " or ".join(_describe(option) for option in get_args(expected))
     if get_origin(expected) is list:
-        return f"a list of {_describe(get_args(expected)[0])}s"
+        return f"a list of {_describe(get_args(expected)[0]).split(' ', 1)[1]}s"
     names = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string"}
     return names.get(expected, "null" if expected is type(None) else str(expected))
 
