@@ -139,6 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `--list-layers | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # the filesystem failed under the run (full, remounted read-only): no traceback
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"extract: error: {e.strerror or e}{where}; chunks not fully written are not marked done, a rerun redoes them",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except KeyboardInterrupt:
         print("extract: interrupted; rerun the same command to resume", file=sys.stderr, flush=True)
         return 130

@@ -458,19 +458,37 @@ def test_interrupted_overwrite_leaves_old_store_or_nothing(tmp_path, reference):
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".over-{step}")] == []
 
 
-def test_complete_store_on_a_read_only_mount_is_already_complete(tmp_path, reference, cli):
-    if os.geteuid() == 0:
-        pytest.skip("root writes through permissions; a read-only mount needs privileges")
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    out = parent / "r.zarr"
+@pytest.mark.parametrize("status", ["complete", "running"])
+def test_a_store_on_a_read_only_mount(tmp_path, reference, cli, monkeypatch, status):
+    """The lock cannot be created (EROFS; as root, permissions would not stop us): a complete store is
+    "already complete", an unfinished one is refused as not writable, untouched either way."""
+    import errno
+
+    import extract.lock
+
+    out = tmp_path / "ro.zarr"
     shutil.copytree(reference, out)
-    os.chmod(parent, 0o555)
-    try:
-        code, _, err = cli(*TINY_JOB, "--out", out)
+    if status == "running":
+        zarr.open_group(out, mode="r+").attrs["status"] = "running"
+
+    def read_only(path, record):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(extract.lock, "_create", read_only)
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    if status == "complete":
         assert code == 0 and "already complete" in err
-    finally:
-        os.chmod(parent, 0o755)
+    else:
+        assert code == 2 and "not writable" in one_line_error(err)
+    assert sorted(os.listdir(tmp_path)) == ["ro.zarr"]
+
+
+def test_a_store_still_being_created_is_an_error_not_a_keyerror(tmp_path):
+    out = tmp_path / "half.zarr"
+    zarr.open_group(out, mode="w", attributes={"format": "extract-features", "format_version": 2,
+                                               "num_samples": 4, "chunk_size": 2, "layers": ["x"]})  # fmt: skip
+    with pytest.raises(Exception, match="has no array 'features/x'"):
+        open_features(out, allow_partial=True)
 
 
 # ----------------------------------------------------------------------------------- signals, records
