@@ -9,12 +9,10 @@ torch's SIGCHLD handler into a traceback inside the forward.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from types import FrameType
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
@@ -39,8 +37,8 @@ class Interrupted(Exception):
 
 
 class StopRequests:
-    """While active, SIGTERM/SIGINT raise ``Interrupted`` at once, except inside ``deferring()``, where
-    the first only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once.
+    """While active, SIGTERM/SIGINT raise ``Interrupted`` at once until ``defer()``; after it the first
+    only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once.
     Handlers are restored on exit; inactive off the main thread."""
 
     def __init__(self) -> None:
@@ -54,13 +52,10 @@ class StopRequests:
             return
         raise Interrupted(self.signum or signum, 0)
 
-    @contextlib.contextmanager
-    def deferring(self) -> Iterator[StopRequests]:
+    def defer(self) -> None:
+        """From now on a first signal only sets ``signum``: the loop checks it between batches, and the
+        writing and marking that follow are not cut short."""
         self._deferring = True
-        try:
-            yield self
-        finally:
-            self._deferring = False
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():

@@ -226,35 +226,35 @@ def _loop(
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
     bad_image = None
-    with stop.deferring():  # from here a signal ends the loop after the batch, and what is done is written
-        try:
-            with (
-                Capture(job.model, job.refs, reduce=job.pool, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
-                torch.inference_mode(),
-                job.autocast,
-            ):
-                batches = iter(loader)
-                while stop.signum is None:
-                    try:
-                        images, labels, indices, errors = next(batches)
-                    except StopIteration:
+    stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
+    try:
+        with (
+            Capture(job.model, job.refs, reduce=job.pool, stop=spec.truncate, edit=edit, sink=staging.stage) as cap,
+            torch.inference_mode(),
+            job.autocast,
+        ):
+            batches = iter(loader)
+            while stop.signum is None:
+                try:
+                    images, labels, indices, errors = next(batches)
+                except StopIteration:
+                    break
+                except Exception:
+                    if stop.signum is not None:  # DataLoader workers died of the same signal
                         break
-                    except Exception:
-                        if stop.signum is not None:  # DataLoader workers died of the same signal
-                            break
-                        raise
-                    valid = np.array([not error for error in errors])
-                    if not (valid.all() or spec.skip_bad_images):
-                        bad_image = next(error for error in errors if error)
-                        break
-                    slot = staging.acquire(writer.check)
-                    cap.forward(images.to(device, non_blocking=True, memory_format=job.memory_format))
-                    staging.seal(slot)
-                    writer.submit(slot, indices, labels, valid)
-            writer.close(complete=stop.signum is None and bad_image is None)
-        except BaseException:
-            writer.abort()
-            raise
+                    raise
+                valid = np.array([not error for error in errors])
+                if not (valid.all() or spec.skip_bad_images):
+                    bad_image = next(error for error in errors if error)
+                    break
+                slot = staging.acquire(writer.check)
+                cap.forward(images.to(device, non_blocking=True, memory_format=job.memory_format))
+                staging.seal(slot)
+                writer.submit(slot, indices, labels, valid)
+        writer.close(complete=stop.signum is None and bad_image is None)
+    except BaseException:
+        writer.abort()
+        raise
     for layer, count in writer.overflow.items():
         if count:
             tqdm.write(

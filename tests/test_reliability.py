@@ -234,6 +234,30 @@ def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path, referenc
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_launcher_with_workers_stops_cleanly_with_one_line(tmp_path):
+    """torch elastic signals each rank's process group, DataLoader workers included: the workers leave
+    it to their rank, every rank stops after its batch, and one line gives the job's count."""
+    out = tmp_path / "launcher.zarr"
+    job = _launch(2, [*LONGER, "--num-workers", "1"], out, None)
+    deadline = time.time() + 120
+    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("extract: interrupted by SIGTERM")]
+    assert len(lines) == 1 and "rerun the same command to resume" in lines[0], err[-3000:]
+    group = zarr.open_group(out, mode="r")
+    assert group.attrs["runs"][-1]["status"] == "interrupted" and group.attrs["status"] == "running"
+    features = group["features/heads.conv"][:]
+    for chunk in np.flatnonzero(group["done"][:]):
+        assert not np.isnan(features[chunk * 16 : chunk * 16 + 16]).any()
+    assert not lock_path(out).exists()
+
+
+@pytest.mark.slow
 def test_kill_storm_two_processes(tmp_path, reference):
     """SIGKILL of everything (launcher and ranks) at random instants of a 2-process run, then one rerun
     (a single process: resumes may change the process count) gives the uninterrupted store."""
