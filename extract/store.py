@@ -7,10 +7,12 @@ and renamed into place, so a crash during creation never leaves half a store at 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,10 @@ def sweep_scratch(path: Path) -> None:
     for entry in path.parent.iterdir() if path.parent.is_dir() else []:
         if any(entry.name.startswith(f".{path.name}{kind}") for kind in SCRATCH):
             shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.startswith(f".{path.name}.lock-"):  # a lock record a killed claimer never linked
+            with contextlib.suppress(OSError):
+                if time.time() - entry.stat().st_mtime > 60:  # (a young one may be a claimer's, mid-claim)
+                    entry.unlink()
 
 
 def check_writable(directory: Path, problem: str) -> None:
