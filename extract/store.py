@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -96,9 +97,21 @@ def sweep_scratch(path: Path) -> None:
         if any(entry.name.startswith(f".{path.name}{kind}") for kind in SCRATCH):
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.name.startswith(f".{path.name}.lock-"):  # a lock record a killed claimer never linked
+            host, _, pid = entry.name.rpartition("-")
+            gone = host.endswith(f"-{socket.gethostname()}") and pid.isdigit() and not _pid_alive(int(pid))
             with contextlib.suppress(OSError):
-                if time.time() - entry.stat().st_mtime > 60:  # (a young one may be a claimer's, mid-claim)
+                if gone or time.time() - entry.stat().st_mtime > 60:  # a young one may be a claimer's, mid-claim
                     entry.unlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def check_writable(directory: Path, problem: str) -> None:
