@@ -425,7 +425,7 @@ def _start_subprocess(args, out):
 @pytest.mark.parametrize("second", ["same job", "other seed"])
 def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     out = tmp_path / "race.zarr"
-    longer = [*TINY_JOB[:-6], "--data", "synthetic:200", "--chunk-size", "4", "--batch-size", "4"]
+    longer = [*TINY_JOB[:-6], "--data", "synthetic:800", "--chunk-size", "16", "--batch-size", "16"]  # ~2 s
     jobs = {"first": longer, "second": [*longer, "--seed", "1"] if second == "other seed" else longer}
     started = {"first": _start_subprocess(jobs["first"], out)}
     time.sleep(0.1)
