@@ -173,7 +173,17 @@ class FeatureStore:
         attrs: dict[str, Any],
     ) -> None:
         group = zarr.open_group(
-            path, mode="w", attributes={"format": FORMAT, "format_version": FORMAT_VERSION, **attrs}
+            path,
+            mode="w",
+            attributes={
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                # what opening validates the arrays against, also for callers that pass fewer attributes
+                "num_samples": num_samples,
+                "chunk_size": chunk_size,
+                "layers": list(shapes),
+                **attrs,
+            },
         )
         features = group.create_group("features")
         for layer, shape in shapes.items():
