@@ -4,9 +4,12 @@ Every trial starts the job on a fresh ``--out``, kills it at a random instant dr
 run (start-up, creation, the loop, the final marking), reruns the same command once, and checks that
 the store equals an uninterrupted run: status complete, every chunk done, features, labels and valid
 identical. Single-process jobs are forked from this process (torch is imported once, so a trial costs
-about a second); multi-process ones use ``accelerate launch --multi_gpu`` on CPU, and each kill is
-chosen at random among: the whole tree (launcher's process group and the ranks, which run in sessions
-of their own), one rank, or the launcher's process group alone (the ranks must notice and stop).
+about a second), and the kill instant is uniform over a warm run. Multi-process ones use ``accelerate
+launch --multi_gpu`` on CPU; the launcher's start-up varies too much with the load for wall-clock
+instants, so each kill waits for a random point of the job's own progress (the lock taken, the store
+created, k of the 24 chunks done, every chunk done) plus 0-0.2 s, and kills at random: the whole tree
+(launcher's process group and the ranks, which run in sessions of their own), one rank, or the
+launcher's process group alone (the ranks must notice and stop; the time they lived on is reported).
 
     python benchmarks/kill_storm.py --processes 1 --trials 100 --json storm1.json
     python benchmarks/kill_storm.py --processes 2 --trials 24 --json storm2.json
@@ -38,6 +41,7 @@ TINY = ROOT / "tests" / "tiny_models.py"
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
        "--dtype", "float32", "--data", "synthetic:96", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
 ARRAYS = ("features/heads.conv", "labels", "valid")
+CHUNKS = 24
 
 
 def fork_run(out: Path, kill_after: float | None = None) -> int:
@@ -111,24 +115,38 @@ def alive(pids: list[int]) -> list[int]:
     return living
 
 
-def launch_run(processes: int, out: Path, kill_after: float | None, kind: str, rng: random.Random) -> dict:
-    """Returns the exit code and how long the ranks lived on after the kill."""
+def reached(out: Path, trigger: int) -> bool:
+    """-2: the lock exists; -1: the store exists; k >= 0: k chunks are done."""
+    if trigger == -2:
+        return out.with_name(out.name + ".lock").exists()
+    if trigger == -1:
+        return (out / "zarr.json").exists()
+    done = out / "done" / "c"
+    return done.is_dir() and len(os.listdir(done)) >= trigger
+
+
+def launch_run(processes: int, out: Path, trigger: int | None, delay: float, kind: str, rng: random.Random) -> dict:
+    """Kill once ``trigger`` is reached (see ``reached``) and ``delay`` seconds more: wall-clock
+    instants would mostly land in the start-up of a launcher, whose length varies with the load.
+    Returns the exit code and how long the ranks lived on after the kill."""
     job = launch(processes, out)
-    if kill_after is None:
+    if trigger is None:
         _, err = job.communicate()
         return {"code": job.returncode, "err": err[-2000:]}
-    deadline = time.time() + kill_after
+    while job.poll() is None and not reached(out, trigger):
+        time.sleep(0.002)
+    deadline = time.time() + delay
     while time.time() < deadline and job.poll() is None:
-        time.sleep(0.005)
+        time.sleep(0.002)
     ranks = ranks_of(job.pid)
-    if kind == "tree":
+    if kind.startswith("tree"):
         with_ranks = [job.pid, *ranks]
         for pid in with_ranks:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    elif kind == "one-rank" and ranks:
+    elif kind.startswith("one-rank") and ranks:
         try:
             os.kill(rng.choice(ranks), signal.SIGKILL)
         except ProcessLookupError:
@@ -195,7 +213,7 @@ def main() -> None:
         assert fork_run(reference) == 0
     else:
         started = time.time()
-        result = launch_run(args.processes, reference, None, "", rng)
+        result = launch_run(args.processes, reference, None, 0, "", rng)
         assert result["code"] == 0, result
         timings = [time.time() - started]
     whole = min(timings)  # warm: the trials' runs are
@@ -210,14 +228,16 @@ def main() -> None:
         if args.processes == 1:
             first = {"code": fork_run(out, at)}
         else:
-            first = launch_run(args.processes, out, at, kind, rng)
+            trigger, at = rng.randint(-2, CHUNKS), rng.uniform(0, 0.2)
+            kind = f"{kind}, at trigger {trigger} + {at:.3f} s"
+            first = launch_run(args.processes, out, trigger, at, kind, rng)
             if first.get("left"):
                 failures.append((trial, f"ranks still alive 60 s after the kill: {first['left']}"))
-            if kind == "launcher":
+            if kind.startswith("launcher"):
                 orphan_times.append(first["orphans_lived_s"])
         stage = stage_of(out, first["code"])
         outcomes[stage] += 1
-        rerun = fork_run(out) if args.processes == 1 else launch_run(args.processes, out, None, "", rng)["code"]
+        rerun = fork_run(out) if args.processes == 1 else launch_run(args.processes, out, None, 0, "", rng)["code"]
         problem = f"rerun exit {rerun}" if rerun != 0 else same(out, reference)
         if problem:
             failures.append((trial, f"kill at {at:.3f} s ({kind}): {problem}"))
@@ -231,7 +251,7 @@ def main() -> None:
                 "problem": problem,
             }
         )
-        print(f"trial {trial:3d}: kill at {at:6.3f} s ({kind}): {stage}: first exit {first['code']}, rerun {rerun}, "
+        print(f"trial {trial:3d}: kill {'at ' + format(at, '.3f') + ' s ' if args.processes == 1 else ''}({kind}): {stage}: first exit {first['code']}, rerun {rerun}, "
               f"{problem or 'equal'}", flush=True)  # fmt: skip
         shutil.rmtree(out, ignore_errors=True)
     summary = {
