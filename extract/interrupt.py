@@ -36,6 +36,21 @@ class Interrupted(Exception):
         )
 
 
+class PeerStopped(Interrupted):
+    """Another process of the job stopped (a signal, a crash) while this one waited for it at a barrier."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(signal.SIGTERM, 0)
+        self.exit_code = 1
+        self.cause = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+
+    def __str__(self) -> str:
+        return (
+            f"another process of the job stopped ({self.cause}); {self.chunks_written} chunks written and marked "
+            "done; rerun the same command to resume"
+        )
+
+
 class StopRequests:
     """While active, SIGTERM/SIGINT raise ``Interrupted`` at once until ``defer()``; after it the first
     only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once.
@@ -62,9 +77,13 @@ class StopRequests:
             self._previous = {sig: signal.signal(sig, self._handle) for sig in HANDLED}
         return self
 
-    def __exit__(self, *_: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: object) -> None:
+        # After an interrupt the process is on its way out: launchers signal again (torch elastic's agent
+        # closes its workers twice), and the default action would kill it before its one-line message
+        # and exit status. So further signals are ignored; otherwise the previous handlers come back.
+        stopping = self.signum is not None or isinstance(error, Interrupted | KeyboardInterrupt)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)  # type: ignore[arg-type]
 
 
 def ignore_stop_signals(_worker_id: int = 0) -> None:

@@ -25,7 +25,7 @@ from .capture import Capture, Edit
 from .data import Indexed, build_dataset
 from .dist import process_state
 from .errors import ExtractError
-from .interrupt import Interrupted, StopRequests, ignore_stop_signals, watch_parent
+from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
 from .layers import LayerRef, list_layers, resolve_layers
 from .lifecycle import StoreLife
 from .models import build_model, library_versions
@@ -304,7 +304,10 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
                 _loop(job, store, shares[state.process_index], edit, stop)
             finally:
                 progress.close()
-            state.wait_for_everyone()
+            try:
+                state.wait_for_everyone()
+            except Exception as e:  # noqa: BLE001 - gloo/NCCL: a peer left; this rank's chunks are written
+                raise PeerStopped(e) from None
             summary = Summary(
                 samples=plan.samples_in(pending),
                 seconds=time.time() - started,

@@ -207,12 +207,30 @@ def _gone(pids, within):
 LONGER = [*TINY_JOB[:-6], "--data", "synthetic:2000", "--chunk-size", "16", "--batch-size", "16"]  # a few seconds
 
 
+SLOW_NET = """
+import time, torch
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+    def forward(self, x):
+        time.sleep(0.1)  # a slow model that costs no CPU: the job lasts while the test looks
+        return self.conv(x)
+def net():
+    return Slow()
+"""
+
+
 @pytest.mark.slow
-def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path, reference):
+def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path):
     """``kill -9`` of the launcher's process group (ranks run in sessions of their own): every rank is
     gone within 10 s, marking nothing it did not finish, and a rerun completes the store."""
+    (tmp_path / "slow.py").write_text(SLOW_NET)
+    args = ["--model", f"{tmp_path / 'slow.py'}:net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
+            "--dtype", "float32", "--data", "synthetic:640", "--chunk-size", "16", "--batch-size", "16"]  # fmt: skip
     out = tmp_path / "orphan.zarr"
-    job = _launch(2, LONGER, out, None)
+    job = _launch(2, args, out, None)
     deadline = time.time() + 120
     while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
         assert job.poll() is None and time.time() < deadline, job.stderr.read()
@@ -223,14 +241,22 @@ def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path, referenc
     job.wait()
     assert _gone(ranks, 10), "orphaned ranks must stop"
     group = zarr.open_group(out, mode="r")
-    assert group.attrs["status"] == "running"
-    features = group["features/heads.conv"][:]
+    assert group.attrs["status"] == "running" and group["done"][:].sum() < 40  # 20 batches a rank: it stopped early
+    assert not lock_path(out).exists()
+    features = group["features/conv"][:]
     for chunk in np.flatnonzero(group["done"][:]):
         assert not np.isnan(features[chunk * 16 : chunk * 16 + 16]).any()
-    assert fork_run([*LONGER, "--out", out]) == 0
-    expected = tmp_path / "expected.zarr"
-    assert fork_run([*LONGER, "--out", expected]) == 0
-    assert_same_store(out, expected)
+    assert fork_run([*args, "--out", out]) == 0
+
+    from extract.data import build_dataset
+    from extract.models import build_model
+
+    loaded = build_model(f"{tmp_path / 'slow.py'}:net", "DEFAULT", None, 0, 32)
+    dataset = build_dataset("synthetic:640", loaded.preprocess, loaded.input_size)
+    images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    with torch.no_grad():
+        expected = loaded.model.conv(images).numpy()
+    np.testing.assert_allclose(zarr.open_group(out, mode="r")["features/conv"][:], expected, rtol=0, atol=1e-5)
     runs = zarr.open_group(out, mode="r").attrs["runs"]
     assert [run["status"] for run in runs] == ["interrupted", "complete"] and runs[0]["seconds"] is not None
 
