@@ -41,6 +41,20 @@ TINY = ROOT / "tests" / "tiny_models.py"
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
        "--dtype", "float32", "--data", "synthetic:96", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
 ARRAYS = ("features/heads.conv", "labels", "valid")
+SLOW_NET = """
+import time, torch, sys
+sys.path.insert(0, {tests!r})
+from tiny_models import dict_net
+class Slow(torch.nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.heads, self.seconds = dict_net().heads, seconds
+    def forward(self, x):
+        time.sleep(self.seconds)  # costs no CPU: a loop long enough to be hit, on a loaded machine too
+        return self.heads(x)["pooled"]
+def net():
+    return Slow({seconds})
+"""
 CHUNKS = 24
 
 
@@ -196,12 +210,22 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--sleep",
+        type=float,
+        default=None,
+        help="seconds each forward sleeps (default 0, or 0.05 with several processes)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import extract.runner  # noqa: F401 - imported once here, so a forked trial's clock starts at the job itself
 
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kill-storm-"))
+    seconds = args.sleep if args.sleep is not None else (0.05 if args.processes > 1 else 0.0)
+    if seconds:
+        (work / "slow.py").write_text(SLOW_NET.format(tests=str(ROOT / "tests"), seconds=seconds))
+        JOB[1] = f"{work / 'slow.py'}:net"
     reference = work / "reference.zarr"
     if args.processes == 1:
         timings = []
@@ -217,7 +241,10 @@ def main() -> None:
         assert result["code"] == 0, result
         timings = [time.time() - started]
     whole = min(timings)  # warm: the trials' runs are
-    print(f"uninterrupted run: {whole:.2f} s; {args.trials} trials, {args.processes} process(es)", flush=True)
+    print(
+        f"uninterrupted run: {whole:.2f} s; {args.trials} trials, {args.processes} process(es), forward sleeps {seconds} s",
+        flush=True,
+    )
 
     outcomes: Counter[str] = Counter()
     failures, orphan_times, trials = [], [], []
@@ -258,6 +285,7 @@ def main() -> None:
         "processes": args.processes,
         "trials": args.trials,
         "uninterrupted_s": round(whole, 3),
+        "forward_sleep_s": seconds,
         "outcomes": dict(outcomes),
         "failures": failures,
         "orphans_lived_s_max": max(orphan_times, default=None),
