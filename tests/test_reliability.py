@@ -35,24 +35,32 @@ def one_line_error(err: str) -> str:
     return lines[0]
 
 
-def fork_run(args, kill_after=None, before=None) -> int:
-    """``python -m extract ARGS`` in a forked child; SIGKILL it after ``kill_after`` seconds (if it is still
-    running). ``before`` runs in the child first (to make it kill itself at a chosen point). Returns the
-    exit code (-9 when killed)."""
+def fork_start(args, before=None, stderr=os.devnull, own_group=False) -> int:
+    """``python -m extract ARGS`` in a forked child (torch is already imported: no start-up cost); returns
+    its pid. ``before`` runs in the child first (to make it kill itself at a chosen point); its stderr
+    goes to the file ``stderr``; ``own_group`` makes it lead a process group, as a shell job does."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            if own_group:
+                os.setpgid(0, 0)
             torch.set_num_threads(1)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child exits with os._exit
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the child exits with os._exit
             if before is not None:
                 before()
             from extract.cli import main
 
             code = main([str(a) for a in args])
+            sys.stderr.flush()
         finally:
             os._exit(code)
+    return pid
+
+
+def fork_wait(pid, kill_after=None) -> int:
+    """The child's exit code (-9 when killed); SIGKILL it after ``kill_after`` seconds if still running."""
     reaped, status = 0, 0
     if kill_after is not None:
         deadline = time.time() + kill_after
@@ -64,6 +72,10 @@ def fork_run(args, kill_after=None, before=None) -> int:
     if not reaped:
         _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def fork_run(args, kill_after=None, before=None) -> int:
+    return fork_wait(fork_start(args, before), kill_after)
 
 
 def assert_same_store(got, expected):
@@ -440,29 +452,21 @@ def test_overwrite_no_in_a_job_file_keeps_the_store(tmp_path, reference, cli):
 # --------------------------------------------------------------------------------- one job per store
 
 
-def _start_subprocess(args, out):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "extract", *map(str, args), "--out", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("second", ["same job", "other seed"])
 def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     out = tmp_path / "race.zarr"
-    longer = [*TINY_JOB[:-6], "--data", "synthetic:800", "--chunk-size", "16", "--batch-size", "16"]  # ~2 s
+    longer = [*TINY_JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
     jobs = {"first": longer, "second": [*longer, "--seed", "1"] if second == "other seed" else longer}
-    started = {"first": _start_subprocess(jobs["first"], out)}
+    pids = {"first": fork_start([*jobs["first"], "--out", out], stderr=tmp_path / "first.err")}
     time.sleep(0.1)
-    started["second"] = _start_subprocess(jobs["second"], out)
-    results = {name: (job.wait(timeout=240), job.stderr.read()) for name, job in started.items()}
+    pids["second"] = fork_start([*jobs["second"], "--out", out], stderr=tmp_path / "second.err")
+    results = {name: (fork_wait(pid), (tmp_path / f"{name}.err").read_text()) for name, pid in pids.items()}
     winners = [name for name, (code, _) in results.items() if code == 0]
     assert len(winners) == 1, results
     (loser,) = set(results) - set(winners)
     code, err = results[loser]
     line = one_line_error(err)
-    assert code == 2 and "being written by another job" in line and f"pid {started[winners[0]].pid}" in line
+    assert code == 2 and "being written by another job" in line and f"pid {pids[winners[0]]}" in line
     assert socket.gethostname() in line
     expected = tmp_path / "expected.zarr"
     assert fork_run([*jobs[winners[0]], "--out", expected]) == 0
@@ -551,36 +555,32 @@ def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     factory = tmp_path / "slow.py"
     factory.write_text("import time, torch\ndef net():\n    time.sleep(30)\n    return torch.nn.Conv2d(3, 4, 3)\n")
     out = tmp_path / "early.zarr"
-    job = _start_subprocess([*TINY_JOB[2:], "--model", f"{factory}:net", "--num-workers", "2"], out)
+    job = fork_start([*TINY_JOB[2:], "--model", f"{factory}:net", "--out", out], stderr=tmp_path / "err")
     deadline = time.time() + 60
     while not lock_path(out).exists():
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()
-        time.sleep(0.02)
+        assert time.time() < deadline
+        time.sleep(0.01)
     time.sleep(0.3)
-    job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=20)
-    assert job.returncode == 128 + signal.SIGTERM, err
+    os.kill(job, signal.SIGTERM)
+    assert fork_wait(job) == 128 + signal.SIGTERM
+    err = (tmp_path / "err").read_text()
     assert "interrupted by SIGTERM" in err and "Traceback" not in err
-    assert os.listdir(tmp_path) == ["slow.py"] or sorted(os.listdir(tmp_path)) == ["__pycache__", "slow.py"]
+    assert sorted(os.listdir(tmp_path)) in (["err", "slow.py"], ["__pycache__", "err", "slow.py"])
 
 
 def test_sigterm_to_the_process_group_with_workers_keeps_chunks_and_records_the_run(tmp_path):
     out = tmp_path / "group.zarr"
     args = [*LONGER, "--num-workers", "2"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "extract", *map(str, args), "--out", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    job = fork_start([*args, "--out", out], stderr=tmp_path / "err", own_group=True)
     deadline = time.time() + 120
     while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()
-        time.sleep(0.02)
-    os.killpg(job.pid, signal.SIGTERM)  # what SLURM sends: the process and its DataLoader workers
-    _, err = job.communicate(timeout=60)
-    assert job.returncode == 143, err
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.killpg(job, signal.SIGTERM)  # what SLURM sends: the process and its DataLoader workers
+    assert fork_wait(job) == 143
+    err = (tmp_path / "err").read_text()
     messages = [line for line in err.splitlines() if line.startswith("extract: interrupted")]
-    assert len(messages) == 1 and "Traceback" not in err and "DataLoader worker" not in err
+    assert len(messages) == 1 and "Traceback" not in err and "DataLoader worker" not in err, err
     group = zarr.open_group(out, mode="r")
     done = int(group["done"][:].sum())
     assert f"{done} chunks written" in messages[0]
