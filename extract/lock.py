@@ -51,15 +51,29 @@ def _holder(path: Path) -> dict[str, Any] | None:
     return {**holder, "age": age} if isinstance(holder, dict) else {"age": age}
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs. A zombie does not: a killed rank whose launcher died
+    too may stay one for a while where the container's init reaps slowly."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _stale(holder: dict[str, Any], stale_after: float) -> bool:
     if holder["age"] > stale_after:
         return True
     if holder.get("host") == socket.gethostname() and "pid" in holder:
         try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, ValueError, OverflowError):
+            return not pid_alive(int(holder["pid"]))
+        except ValueError:
             return False
     return False
 

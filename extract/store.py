@@ -23,6 +23,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import ExtractError
+from .lock import pid_alive
 
 FORMAT = "extract-features"
 FORMAT_VERSION = 2  # 2: every object has a crc32c checksum
@@ -98,20 +99,10 @@ def sweep_scratch(path: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.name.startswith(f".{path.name}.lock-"):  # a lock record a killed claimer never linked
             host, _, pid = entry.name.rpartition("-")
-            gone = host.endswith(f"-{socket.gethostname()}") and pid.isdigit() and not _pid_alive(int(pid))
+            gone = host.endswith(f"-{socket.gethostname()}") and pid.isdigit() and not pid_alive(int(pid))
             with contextlib.suppress(OSError):
                 if gone or time.time() - entry.stat().st_mtime > 60:  # a young one may be a claimer's, mid-claim
                     entry.unlink()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
 
 
 def check_writable(directory: Path, problem: str) -> None:

@@ -323,7 +323,8 @@ def test_kill_storm_two_processes(tmp_path):
         job.wait()
         assert _gone(ranks, 10)
         assert zarr.open_group(out, mode="r").attrs["status"] == "running"
-        assert fork_run([*args, "--out", out]) == 0
+        rerun = fork_start([*args, "--out", out], stderr=tmp_path / f"rerun-{trial}.err")
+        assert fork_wait(rerun) == 0, (tmp_path / f"rerun-{trial}.err").read_text()[-2000:]
         a, b = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
         assert a.attrs["status"] == "complete" and a["done"][:].all()
         for name in ("features/conv", "labels", "valid"):
