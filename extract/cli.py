@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from .errors import ExtractError
 from .interrupt import Interrupted
 from .pooling import POOL_CHOICES
-from .spec import DECODES, DTYPES, PRECISIONS, JobSpec
+from .spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
 from .store import COMPRESSORS
 from .writer import WriterError
 
@@ -132,6 +132,7 @@ def _from_config(path: str) -> dict[str, Any]:
     for name in ("layers", "layout"):
         if isinstance(options.get(name), str):
             options[name] = [options[name]]
+    check_types(options, f"--config {path}: key")
     return options
 
 
@@ -164,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"extract: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Interrupted as e:
-        print(f"extract: {e}", file=sys.stderr, flush=True)
+        if not e.quiet:
+            print(f"extract: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except WriterError as e:
         print(
@@ -176,6 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `--list-layers | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # the filesystem failed under the run (full, remounted read-only): no traceback
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"extract: error: {e.strerror or e}{where}; chunks not fully written are not marked done, a rerun redoes them",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     except KeyboardInterrupt:
         print("extract: interrupted; rerun the same command to resume", file=sys.stderr, flush=True)
         return 130

@@ -1,12 +1,22 @@
-"""Preemption: SIGTERM/SIGINT end the run between batches, after what is computed is written."""
+"""Preemption: SIGTERM/SIGINT end the run cleanly at any moment, and ranks stop when their launcher dies.
+
+Handlers are installed before the slow start-up (model, data, store): a signal then stops the job at
+once. Inside the loop a signal only asks it to stop after the current batch, so that what is computed
+is written. DataLoader workers ignore both signals (they share the rank's process group, which
+launchers and SLURM signal as a whole): their parent stops them, instead of their deaths tripping
+torch's SIGCHLD handler into a traceback inside the forward.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from types import FrameType
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
+ORPHAN_GRACE = 5.0  # seconds an orphaned rank gets to stop cleanly before it exits regardless
 
 
 class Interrupted(Exception):
@@ -15,30 +25,87 @@ class Interrupted(Exception):
     def __init__(self, signum: int, chunks_written: int) -> None:
         self.signum = signum
         self.exit_code = 128 + signum
-        super().__init__(
-            f"interrupted by {signal.Signals(signum).name}: {chunks_written} chunks written and marked done; "
-            "rerun the same command to resume"
+        self.chunks_written = chunks_written  # the whole job's, once the store's owner has counted them
+        self.quiet = False  # ranks other than 0 stay silent: rank 0 reports for the job
+        super().__init__(signum, chunks_written)
+
+    def __str__(self) -> str:
+        return (
+            f"interrupted by {signal.Signals(self.signum).name}: {self.chunks_written} chunks written and marked "
+            "done; rerun the same command to resume"
+        )
+
+
+class PeerStopped(Interrupted):
+    """Another process of the job stopped (a signal, a crash) while this one waited for it at a barrier."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(signal.SIGTERM, 0)
+        self.exit_code = 1
+        self.cause = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+
+    def __str__(self) -> str:
+        return (
+            f"another process of the job stopped ({self.cause}); {self.chunks_written} chunks written and marked "
+            "done; rerun the same command to resume"
         )
 
 
 class StopRequests:
-    """While active, the first SIGTERM/SIGINT only sets ``signum`` (the loop stops at the next batch);
-    a second one interrupts at once. Handlers are restored on exit; inactive off the main thread."""
+    """While active, SIGTERM/SIGINT raise ``Interrupted`` at once until ``defer()``; after it the first
+    only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once.
+    Handlers are restored on exit; inactive off the main thread."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._deferring = False
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
+        if self._deferring and self.signum is None:
+            self.signum = signum
+            return
+        raise Interrupted(self.signum or signum, 0)
+
+    def defer(self) -> None:
+        """From now on a first signal only sets ``signum``: the loop checks it between batches, and the
+        writing and marking that follow are not cut short."""
+        self._deferring = True
 
     def __enter__(self) -> StopRequests:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in HANDLED}
         return self
 
-    def __exit__(self, *_: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: object) -> None:
+        # After an interrupt the process is on its way out: launchers signal again (torch elastic's agent
+        # closes its workers twice), and the default action would kill it before its one-line message
+        # and exit status. So further signals are ignored; otherwise the previous handlers come back.
+        stopping = self.signum is not None or isinstance(error, Interrupted | KeyboardInterrupt)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)  # type: ignore[arg-type]
+
+
+def ignore_stop_signals(_worker_id: int = 0) -> None:
+    """A DataLoader ``worker_init_fn``: the worker leaves SIGTERM/SIGINT to its parent."""
+    for sig in HANDLED:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def watch_parent() -> None:
+    """Under torch elastic (``accelerate launch``, ``torchrun``) each rank runs in its own session, so a
+    ``kill -9`` of the launcher's process group does not reach it. Poll the parent pid: once the launcher
+    is gone, SIGTERM ourselves (a clean stop), and exit after ``ORPHAN_GRACE`` seconds if that is stuck
+    (in a barrier with ranks that are gone). Not for a plain process: ``nohup`` may orphan it on purpose."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="extract-parent-watch", daemon=True).start()

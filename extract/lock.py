@@ -1,12 +1,18 @@
-"""One live job per store: a lock file naming its holder, kept fresh by a heartbeat.
+"""One live job per store, from the first instant: a lock file beside the store, kept fresh by a heartbeat.
 
-The holder rewrites the file's mtime every ``HEARTBEAT`` seconds. A lock is stale (and taken over)
-when its holder is a dead process on this host, or when its heartbeat stopped for ``STALE_AFTER``
-seconds (a holder on another host, whose pid cannot be checked from here).
+The lock is ``<out>.lock`` next to ``<out>``, not inside it, so that it exists before the store does
+and stays put while the store is built beside its target and renamed into place, or moved aside by
+``--overwrite``. It is created with ``O_EXCL`` (atomic, also on NFS v3+), so of two jobs started at
+the same instant exactly one gets it. The holder rewrites the file's mtime every ``HEARTBEAT`` seconds.
+
+A lock is stale, and taken over, when its holder is a process on this host that no longer exists, or
+when its heartbeat stopped ``STALE_AFTER`` seconds ago. Age alone is enough: pids are reused, so a
+live pid on this host proves nothing once the heartbeat is old.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -17,75 +23,170 @@ from typing import Any
 
 from .errors import ExtractError
 
-LOCK_NAME = "extract.lock"
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def lock_path(store: Path) -> Path:
+    return store.with_name(store.name + ".lock")
+
+
+class LockUnavailable(ExtractError):
+    """The lock cannot be created at all (read-only filesystem, no permission): nothing can be written."""
 
 
 def _holder(path: Path) -> dict[str, Any] | None:
+    """The lock's record and its heartbeat's age; ``{"age": ...}`` alone while its claimer is still
+    writing it; None when there is no lock."""
     try:
-        holder = json.loads(path.read_text())
-        holder["age"] = time.time() - path.stat().st_mtime
-        return holder
-    except (OSError, ValueError):
+        age = time.time() - path.stat().st_mtime
+        text = path.read_text()
+    except OSError:
         return None
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        holder = {}
+    return {**holder, "age": age} if isinstance(holder, dict) else {"age": age}
 
 
-def _alive(holder: dict[str, Any]) -> bool:
-    if holder.get("host") == socket.gethostname():
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs. A zombie does not: a killed rank whose launcher died
+    too may stay one for a while where the container's init reaps slowly."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
         return True
-    return holder["age"] < STALE_AFTER
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
-def check_unlocked(store: Path) -> None:
-    """Refuse to start on a store that a live job holds."""
-    holder = _holder(store / LOCK_NAME)
-    if holder is not None and holder.get("pid") != os.getpid() and _alive(holder):
-        raise ExtractError(
-            f"--out {store} is being written by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
-            f"since {holder.get('started')}); wait for it to finish or stop it, then rerun"
-        )
+def _stale(holder: dict[str, Any], stale_after: float) -> bool:
+    if holder["age"] > stale_after:
+        return True
+    if holder.get("host") == socket.gethostname() and "pid" in holder:
+        try:
+            return not pid_alive(int(holder["pid"]))
+        except ValueError:
+            return False
+    return False
+
+
+def _busy(store: Path, holder: dict[str, Any]) -> ExtractError:
+    if "pid" not in holder:
+        return ExtractError(f"--out {store} is being claimed by another job that is starting; wait for it, then rerun")
+    return ExtractError(
+        f"--out {store} is being written by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
+        f"since {holder.get('started')}); wait for it to finish or stop it, then rerun"
+    )
+
+
+def _create(path: Path, record: dict[str, Any]) -> bool:
+    """Create ``path`` holding ``record`` if it does not exist; False if it does.
+
+    The record is written to a file of our own first and hard-linked into place (atomic, and
+    NFS-safe), so a lock is never seen empty, even when its claimer is killed in the middle. Where
+    hard links are not supported, ``O_EXCL`` and a write."""
+    own = path.with_name(f".{path.name}-{socket.gethostname()}-{os.getpid()}")
+    own.write_text(json.dumps(record))
+    try:
+        os.link(own, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+    finally:
+        own.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    return True
+
+
+def check_unlocked(store: Path, stale_after: float = STALE_AFTER) -> None:
+    """Refuse a store that a live job holds (for callers that only look, such as ``verify --repair``)."""
+    holder = _holder(lock_path(store))
+    if holder is not None and not _stale(holder, stale_after):
+        raise _busy(store, holder)
 
 
 class StoreLock:
-    """Held by rank 0 while a job writes the store; released on exit."""
+    """Claimed by rank 0 before anything at ``--out`` is looked at, created or wiped; held to the end."""
 
-    def __init__(self, store: Path) -> None:
-        self.path = store / LOCK_NAME
+    def __init__(self, store: Path, stale_after: float = STALE_AFTER) -> None:
+        self.store = store
+        self.path = lock_path(store)
+        self.stale_after = stale_after
+        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="extract-lock", daemon=True)
 
     def __enter__(self) -> StoreLock:
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                check_unlocked(self.path.parent)
-                self.path.unlink(missing_ok=True)  # stale: its holder is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            self._thread.start()
-            return self
-        check_unlocked(self.path.parent)
-        raise ExtractError(f"could not take the lock {self.path}; rerun")
+        try:
+            for _ in range(3):
+                if _create(self.path, self.record):
+                    self._thread.start()
+                    return self
+                self._take_over_if_stale()
+        except OSError as e:
+            if e.errno in _NOT_WRITABLE:
+                raise LockUnavailable(
+                    f"--out {self.store}: cannot create the lock {self.path} ({e.strerror})"
+                ) from None
+            raise ExtractError(f"--out {self.store}: cannot create the lock {self.path} ({e.strerror})") from None
+        raise ExtractError(f"--out {self.store}: could not take the lock {self.path} from a stale holder; rerun")
+
+    def _take_over_if_stale(self) -> None:
+        holder = _holder(self.path)
+        if holder is None:
+            return  # released meanwhile: try again
+        if not _stale(holder, self.stale_after):
+            raise _busy(self.store, holder)
+        # Two jobs may find the same stale lock: a second O_EXCL file lets one of them replace it,
+        # so the other cannot delete the fresh lock the first has just created.
+        guard = self.path.with_name(self.path.name + ".takeover")
+        if not _create(guard, self.record):
+            guard_holder = _holder(guard)
+            if guard_holder is not None and guard_holder["age"] > 30:
+                guard.unlink(missing_ok=True)  # its taker was killed mid-takeover
+                return
+            raise _busy(self.store, {})
+        try:
+            again = _holder(self.path)
+            same = again is not None and all(again.get(k) == holder.get(k) for k in ("host", "pid", "started"))
+            if same and _stale(again, self.stale_after):
+                self.path.unlink(missing_ok=True)
+        finally:
+            guard.unlink(missing_ok=True)
+
+    def _ours(self) -> bool:
+        holder = _holder(self.path)
+        return holder is not None and all(holder.get(k) == v for k, v in self.record.items())
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT):
             try:
+                if not self._ours():
+                    return  # taken over after we stalled past STALE_AFTER: never refresh another's lock
                 os.utime(self.path)
             except OSError:
                 return
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
-        holder = _holder(self.path)
-        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            self.path.unlink(missing_ok=True)
+        try:
+            if self._ours():
+                self.path.unlink()
+        except OSError:
+            pass  # a read-only remount: the error that stopped the run is the one to report

@@ -11,15 +11,19 @@ from torch.utils.data import Sampler
 
 CHUNK_TARGET_BYTES = 16 * 2**20
 MAX_CHUNK_SIZE = 1024
+MIN_STEPS = 16  # chunks (progress steps) of a job with at least MIN_STEPS_FROM samples
+MIN_STEPS_FROM = 256
 
 
-def default_chunk_size(num_samples: int, bytes_per_sample: int) -> int:
-    """Samples per chunk so that the largest layer's chunk is about 16 MiB uncompressed:
-    large enough for codecs and filesystems, small enough to keep writer memory and the
-    work lost to a crash small. A power of two, at most 1024 and at most N."""
+def default_chunk_size(num_samples: int, bytes_per_sample: int, world_size: int = 1) -> int:
+    """Samples per chunk so that the largest layer's chunk is about 16 MiB uncompressed: large enough
+    for codecs and filesystems, small enough to keep writer memory and the work lost to a crash small.
+    A power of two, at most 1024. Small jobs get smaller chunks so that every rank has work (K >= 4 x
+    world size when N allows it) and the progress bar moves (K >= 16 from a few hundred samples)."""
     fit = max(1, CHUNK_TARGET_BYTES // max(1, bytes_per_sample))
     size = min(MAX_CHUNK_SIZE, 2 ** int(math.log2(fit)))
-    return max(1, min(size, num_samples))
+    steps = max(4 * world_size, MIN_STEPS if num_samples >= MIN_STEPS_FROM else 1)
+    return max(1, min(size, num_samples // steps))
 
 
 @dataclass(frozen=True)

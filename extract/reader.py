@@ -4,12 +4,12 @@ which samples an unfinished job has written."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from .pooling import PoolShapeError, make_pool
 from .store import FeatureStore
 
 Index = slice | Sequence[int] | np.ndarray | None
+T = TypeVar("T")
 
 # Rows are decoded this many bytes at a time: zarr decodes the chunks of one read concurrently, and
 # a bounded block keeps pooling and dtype conversion from ever holding a whole unpooled layer.
@@ -104,6 +105,14 @@ def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iter
             yield block
 
 
+def _decodes(array: zarr.Array, start: int, stop: int) -> bool:
+    try:
+        array[start:stop]
+    except Exception:  # noqa: BLE001 - any codec error means the object is damaged
+        return False
+    return True
+
+
 def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
     """An uninitialized tensor in numpy's memory: numpy asks for transparent huge pages for large
     arrays, so filling it page-faults far less than filling a ``torch.empty`` (2x faster here)."""
@@ -162,7 +171,8 @@ class Features:
 
     @cached_property
     def labels(self) -> np.ndarray:
-        return self.store.array("labels")[:]
+        every = range(self.num_chunks)
+        return self._checked("labels", "labels", every, lambda: self.store.array("labels")[:])
 
     @cached_property
     def keys(self) -> np.ndarray:
@@ -180,14 +190,51 @@ class Features:
     @cached_property
     def present(self) -> np.ndarray:
         """(N,) bool: the samples whose chunk is marked done; use it as an ``index`` to read only those."""
-        done = self.store.array("done")[:]
-        return np.repeat(done, self.chunk_size)[: self.num_samples]
+        return np.repeat(self._done, self.chunk_size)[: self.num_samples]
 
     @cached_property
     def valid(self) -> np.ndarray:
         """(N,) bool: present samples that have features; an image that could not be decoded under
         ``--skip-bad-images`` is stored as NaN with valid False."""
-        return self.store.array("valid")[:] & self.present
+        every = range(self.num_chunks)
+        return self._checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
+
+    @cached_property
+    def _done(self) -> np.ndarray:
+        return self.store.done_flags()
+
+    @cached_property
+    def _lost(self) -> dict[int, list[str]]:
+        """Done chunks whose object is absent, per array: found once, at the first read."""
+        return self.store.missing_objects(np.flatnonzero(self._done).tolist())
+
+    def _checked(self, name: str, what: str, chunks: Iterable[int], read: Callable[[], T]) -> T:
+        """``read()``, unless a done chunk among ``chunks`` of array ``name`` is missing or fails its
+        checksum: then an error naming ``what`` and the chunk, instead of NaN rows or a codec trace."""
+        chunks = list(chunks)
+        for k in chunks:
+            if self._done[k] and name in self._lost.get(k, ()):
+                raise self._damaged(what, k, "is missing")
+        try:
+            return read()
+        except ExtractError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
+            array = self.store.array(name)
+            bad = next(
+                (k for k in chunks if not _decodes(array, *Plan(self.num_samples, self.chunk_size).bounds(k))), None
+            )
+            if bad is None:
+                raise
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise self._damaged(what, bad, f"fails its check ({type(e).__name__}: {first})") from None
+
+    def _damaged(self, what: str, chunk: int, problem: str) -> ExtractError:
+        start, stop = Plan(self.num_samples, self.chunk_size).bounds(chunk)
+        return ExtractError(
+            f"{self.path}: {what}, chunk {chunk} (samples {start}-{stop - 1}) {problem}; run "
+            f"`python -m extract.verify {self.path} --repair`, then the job's command again to recompute it"
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -226,6 +273,20 @@ class Features:
         reduce = make_pool(pool, layout) if pool not in (None, "none") else None
         out = _empty((rows.count, *self._pooled_shape(layer, reduce, pool)), dtype or array.dtype)
         blocks = list(self._blocks(rows, array))
+        if rows.sorted_rows is None:
+            touched: Iterable[int] = range(rows.start // self.chunk_size, -(-rows.stop // self.chunk_size))
+        else:
+            touched = np.unique(rows.sorted_rows // self.chunk_size).tolist()
+        return self._checked(
+            f"features/{layer}",
+            f"layer '{layer}'",
+            touched,
+            lambda: self._load(array, rows, reduce, out, blocks, as_torch),
+        )
+
+    def _load(
+        self, array: zarr.Array, rows: _Rows, reduce: Any, out: torch.Tensor, blocks: list, as_torch: bool
+    ) -> np.ndarray | torch.Tensor:
         if reduce is None and out.numpy().dtype == array.dtype:
             # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
             target = out.numpy()
@@ -293,7 +354,7 @@ def open_features(path: str | Path, *, allow_partial: bool = False) -> Features:
     store = FeatureStore.open(path, mode="r")
     features = Features(path, store)
     if not features.complete and not allow_partial:
-        done = int(store.array("done")[:].sum())
+        done = int(store.done_flags().sum())
         raise ExtractError(
             f"{path} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
             "chunks written): rerun the same extract command to finish it, or open it with "

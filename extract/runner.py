@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,16 @@ from .data import DataOptions, Source, build_dataset, keep_index, kept_index
 from .data.gpu_decode import GpuDecoder, collate_encoded
 from .dist import process_state
 from .errors import ExtractError
-from .interrupt import Interrupted, StopRequests
+from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
 from .layers import LayerRef, list_layers, resolve_layers
-from .lock import StoreLock
+from .lifecycle import StoreLife
 from .models import LoadedModel, build_model, library_versions
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
 from .progress import JobProgress
 from .shapes import LayerSetup, setup_layers
 from .spec import JobSpec, fingerprint
 from .staging import HostStaging
-from .store import FeatureStore, check_out_path, codecs
+from .store import FeatureStore, codecs
 from .writer import ChunkWriter
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,6 +60,17 @@ class Summary:
     @property
     def compression_ratio(self) -> float:
         return self.raw_bytes / self.bytes_stored if self.bytes_stored else 0.0
+
+    def record(self) -> dict[str, Any]:
+        """The summary the store keeps in its attributes."""
+        return {
+            "samples": self.samples,
+            "seconds": round(self.seconds, 3),
+            "images_per_second": round(self.images_per_second, 2),
+            "bytes_stored": self.bytes_stored,
+            "compression_ratio": round(self.compression_ratio, 3),
+            "invalid_samples": self.invalid,
+        }
 
     def line(self) -> str:
         skipped = f"; {self.invalid} bad images skipped (valid=False)" if self.invalid else ""
@@ -136,8 +146,11 @@ class _Job:
         return sum(math.prod(shape) for shape in self.shapes.values()) * getattr(torch, self.spec.dtype).itemsize
 
 
-def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None = None) -> _Job:
-    """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
+def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
+    """Model, data, layers and plan: everything that can be refused is checked here, before writing.
+
+    Without ``--chunk-size`` a store being resumed keeps its chunk size: the default depends on the
+    number of processes, which may differ from the first run's."""
     device = state.device
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
     autocast = _autocast(device, precision)
@@ -166,7 +179,9 @@ def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None
 
     num_samples = len(dataset)
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
-    plan = Plan(num_samples, spec.chunk_size or default_chunk_size(num_samples, largest))
+    kept = existing.get("chunk_size") if existing and not spec.overwrite else None
+    chunk_size = spec.chunk_size or kept or default_chunk_size(num_samples, largest, state.num_processes)
+    plan = Plan(num_samples, chunk_size)
     identity = {
         "model": spec.model,
         "weights": loaded.weights,
@@ -212,22 +227,9 @@ def _prepare(spec: JobSpec, state: PartialState, existing: dict[str, Any] | None
     )  # fmt: skip
 
 
-def _decide(job: _Job, existing: dict[str, Any] | None) -> str:
-    """What to do with the store found at --out: create (also whenever --overwrite), resume or
-    complete; refuses another job's store."""
-    if existing is None or job.spec.overwrite:
-        return "create"
-    if existing.get("fingerprint") == job.attrs["fingerprint"]:
-        return "complete" if existing.get("status") == "complete" else "resume"
-    before = existing.get("identity", {})
-    differs = [key for key in job.identity if before.get(key) != job.identity[key]] or ["fingerprint"]
-    raise ExtractError(
-        f"--out {job.spec.out} holds a different job (differs in: {', '.join(differs)}); "
-        "pass --overwrite to replace it, or choose another --out"
-    )
-
-
-def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None) -> None:
+def _loop(
+    job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None, stop: StopRequests
+) -> None:
     """Forward this rank's chunks under the capture and hand them to the writer.
 
     Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
@@ -240,14 +242,15 @@ def _loop(job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, 
         num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
         pin_memory=device.type == "cuda",
         collate_fn=collate_encoded if job.gpu_decoder is not None else None,
+        worker_init_fn=ignore_stop_signals,
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
     bad_image = None
+    stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
     try:
         with (
-            StopRequests() as stop,
             Capture(
                 job.model, job.refs, reduce=job.layers.reduce, stop=spec.truncate, edit=edit, sink=staging.stage
             ) as cap,
@@ -298,94 +301,63 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     spec.validate()
-    out = Path(spec.out)
-    existing = check_out_path(out)  # before any compute
-    state = process_state(spec.timeout)
-    main = state.is_main_process
-    job = _prepare(spec, state, existing)
-    # Every rank decides from what it saw of --out at start-up, so all decide (and refuse) alike;
-    # the barrier keeps rank 0 from replacing the store before the others have looked.
-    state.wait_for_everyone()
-    action = _decide(job, existing)
-    plan = job.plan
-    if action == "complete":
-        if main:
-            log(f"extract: {out} is already complete for this job; nothing to do")
-        return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
-
-    with contextlib.ExitStack() as held:
-        if main:
-            if spec.data.startswith("synthetic:"):
-                log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
-            for note in job.notes:
-                log(note)
-            if action == "create":
-                FeatureStore.create(
-                    out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
-                    dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
-                    layouts=job.layers.stored_layouts(), keys=job.dataset.keys(),
-                )  # fmt: skip
-                keep_index(out, job.dataset)
-            held.enter_context(StoreLock(out))
-        state.wait_for_everyone()
-        store = FeatureStore.open(out)
-        pending = store.pending_chunks()
-        shares = assign(pending, state.num_processes)
-        hostnames = gather_object([socket.gethostname()])
-        started = time.time()
-        if main:
-            record = {
-                "started": datetime.now(UTC).isoformat(timespec="seconds"),
-                "world_size": state.num_processes,
-                "chunks_per_rank": [len(share) for share in shares],
-                "hostnames": hostnames,
-                "seconds": None,
-                "status": "running",
-            }
-            store.update_attrs(runs=[*store.attrs.get("runs", []), record])
-            if action == "resume":
+    with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
+        watch_parent()
+        state = process_state(spec.timeout)
+        main = state.is_main_process
+        with StoreLife(Path(spec.out), state, log) as life:  # --out is ours before anything is prepared
+            job = _prepare(spec, state, life.existing)
+            plan = job.plan
+            action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite)
+            if action == "complete":
+                if main:
+                    log(f"extract: {spec.out} is already complete for this job; nothing to do")
+                return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
+            if main:
+                if spec.data.startswith("synthetic:"):
+                    log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
+                for note in job.notes:
+                    log(note)
+            store = life.open(action, lambda: _create(job))
+            pending = store.pending_chunks()
+            if main and action == "resume":  # keys are written at creation: restore those of chunks to redo
+                store.write_keys(pending, job.dataset.keys())
+            shares = assign(pending, state.num_processes)
+            life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
+            if main and action == "resume":
                 log(
-                    f"extract: resuming {out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
+                    f"extract: resuming {spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
                 )
 
-        progress = JobProgress(out, plan, pending, enabled=main)
-        try:
-            _loop(job, store, shares[state.process_index], edit)
-        finally:
-            progress.close()
-        state.wait_for_everyone()
-        seconds = time.time() - started
-        summary = Summary(
-            samples=plan.samples_in(pending),
-            seconds=seconds,
-            chunks_written=len(pending),
-            chunks_reused=plan.num_chunks - len(pending),
-            bytes_stored=0,
-            raw_bytes=plan.num_samples * job.sample_bytes,
-        )
-        if main:
-            _finish(store, summary, log)
+            progress = JobProgress(Path(spec.out), plan, pending, enabled=main)
+            started = time.time()
+            try:
+                _loop(job, store, shares[state.process_index], edit, stop)
+            finally:
+                progress.close()
+            try:
+                state.wait_for_everyone()
+            except Exception as e:  # noqa: BLE001 - gloo/NCCL: a peer left; this rank's chunks are written
+                raise PeerStopped(e) from None
+            summary = Summary(
+                samples=plan.samples_in(pending),
+                seconds=time.time() - started,
+                chunks_written=len(pending),
+                chunks_reused=plan.num_chunks - len(pending),
+                bytes_stored=store.stored_bytes() if main else 0,
+                raw_bytes=plan.num_samples * job.sample_bytes,
+                invalid=int((~store.array("valid")[:]).sum()) if main else 0,
+            )
+            life.finish(summary.record())
+    if main:
+        log(summary.line())
     return summary
 
 
-def _finish(store: FeatureStore, summary: Summary, log: Log) -> None:
-    """Rank 0, after the last barrier: check every chunk is done, then mark the store complete."""
-    if left := store.pending_chunks():
-        raise ExtractError(f"chunks {left[:5]} of {store.path} were not written; rerun the same command")
-    summary.bytes_stored = store.stored_bytes()
-    summary.invalid = int((~store.array("valid")[:]).sum())
-    runs = store.attrs["runs"]
-    runs[-1].update(seconds=round(summary.seconds, 3), status="complete")
-    store.update_attrs(
-        status="complete",
-        runs=runs,
-        summary={
-            "samples": summary.samples,
-            "seconds": round(summary.seconds, 3),
-            "images_per_second": round(summary.images_per_second, 2),
-            "bytes_stored": summary.bytes_stored,
-            "compression_ratio": round(summary.compression_ratio, 3),
-            "invalid_samples": summary.invalid,
-        },
-    )
-    log(summary.line())
+def _create(job: _Job) -> FeatureStore:
+    plan, spec = job.plan, job.spec
+    return FeatureStore.create(
+        Path(spec.out), shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
+        dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
+        layouts=job.layers.stored_layouts(), keys=job.dataset.keys(), after=lambda path: keep_index(path, job.dataset),
+    )  # fmt: skip

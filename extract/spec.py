@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 from .errors import ExtractError
 
@@ -45,6 +47,7 @@ class JobSpec:
 
     def validate(self) -> None:
         """Reject bad values before anything is built or written."""
+        check_types(self.to_dict(), "job option")
         for name in ("batch_size", "writer_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -74,3 +77,37 @@ class JobSpec:
 def fingerprint(identity: dict[str, Any]) -> str:
     """A stable hash of everything that decides the stored values and layout."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fits(value: Any, expected: Any) -> bool:
+    if get_origin(expected) is types.UnionType:
+        return any(_fits(value, option) for option in get_args(expected))
+    if expected is type(None):
+        return value is None
+    if get_origin(expected) is list:
+        (item,) = get_args(expected)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if expected is float:  # an integer number of seconds is fine; a boolean is not a number
+        return type(value) in (int, float)
+    return type(value) is expected  # exact: True is not an int, "no" is not a bool
+
+
+def _describe(expected: Any) -> str:
+    if get_origin(expected) is types.UnionType:
+        return " or ".join(_describe(option) for option in get_args(expected))
+    if get_origin(expected) is list:
+        return f"a list of {_describe(get_args(expected)[0]).split(' ', 1)[1]}s"
+    names = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string"}
+    return names.get(expected, "null" if expected is type(None) else str(expected))
+
+
+def check_types(options: Mapping[str, Any], source: str) -> None:
+    """Every option must have its ``JobSpec`` type exactly: booleans are booleans, integers integers.
+    A TOML ``overwrite = "no"`` is truthy and would replace a store; ``chunk_size = true`` would be 1."""
+    hints = get_type_hints(JobSpec)
+    for key, value in options.items():
+        expected = hints.get(key)
+        if expected is not None and not _fits(value, expected):
+            raise ExtractError(
+                f"{source} '{key}' = {value!r} must be {_describe(expected)}, not {type(value).__name__}"
+            )

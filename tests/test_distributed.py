@@ -177,7 +177,7 @@ def test_sigkill_a_rank_then_resume(cli, tmp_path):
     assert f"{finished} of {n // chunk} chunks already done" in result.stderr
     assert f"{n // chunk - finished} chunks written, {finished} reused" in result.stderr
     runs = zarr.open_group(out, mode="r").attrs["runs"]
-    assert len(runs) == 2 and runs[0]["status"] == "running" and runs[1]["world_size"] == 3
+    assert len(runs) == 2 and runs[0]["status"] in ("interrupted", "killed") and runs[1]["world_size"] == 3
     assert sum(runs[1]["chunks_per_rank"]) == n // chunk - finished
     expected = single_process_store(cli, tmp_path, n, chunk, batch)
     assert_same_store(out, expected)

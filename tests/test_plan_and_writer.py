@@ -47,8 +47,25 @@ def test_chunk_segments():
 
 def test_default_chunk_size():
     assert default_chunk_size(10_000, 1024 * 14 * 14 * 2) == 32  # resnet50 layer3 float16: ~12.5 MiB chunks
-    assert default_chunk_size(10_000, 2048 * 2) == 1024  # pooled features: capped
-    assert default_chunk_size(5, 100) == 5  # never more than N
+    assert default_chunk_size(100_000, 2048 * 2) == 1024  # pooled features: capped
+    assert default_chunk_size(10_000, 2048 * 2) == 625  # at least 16 progress steps
+    assert default_chunk_size(5, 100) == 1  # never more than N, and several chunks when N allows
+    assert default_chunk_size(1, 100, world_size=4) == 1
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 8, 13, 100, 200, 255, 256, 300, 1000, 5000, 10_000, 1_281_167])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_default_chunk_size_gives_every_rank_work_and_the_bar_steps(n, world):
+    for sample_bytes in (100, 2048 * 2, 1024 * 14 * 14 * 2):
+        size = default_chunk_size(n, sample_bytes, world)
+        chunks = Plan(n, size).num_chunks
+        assert 1 <= size <= 1024
+        assert chunks >= min(n, 4 * world), "every rank gets chunks (K >= 4 x world size when N allows)"
+        if n >= 256:
+            assert chunks >= 16, "the progress bar takes at least 16 steps"
+        assert size * sample_bytes <= 16 * 2**20 or size == 1, "chunks stay about 16 MiB at most"
+        if n >= 1_000_000:
+            assert size * sample_bytes > 8 * 2**20 or size == 1024, "large jobs keep large chunks"
 
 
 def test_staging_reuses_slots_and_blocks_when_all_are_in_use():

@@ -1,0 +1,217 @@
+"""The store's life cycle, owned in one place (DESIGN.md, "The store's life cycle belongs to the store"):
+
+    claim --out (atomic lock, before anything is prepared or wiped)
+      → create atomically, or reopen and decide: resume | complete | refuse
+      → write chunks (the runner's loop) → verify cheaply → mark complete → release
+
+Rank 0 holds the lock and takes every decision about the store; the other ranks are told the outcome
+(an action, or the error to stop with), so all ranks act alike although only one looked. The run's
+record in the store's ``runs`` is closed here too, whatever ends the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+
+from .errors import ExtractError
+from .interrupt import Interrupted
+from .lock import LockUnavailable, StoreLock
+from .store import FeatureStore, check_out_path, check_writable, sweep_scratch
+
+Log = Callable[[str], None]
+T = TypeVar("T")
+
+
+class StoreLife:
+    """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block."""
+
+    def __init__(self, out: Path, state: PartialState, log: Log) -> None:
+        self.out, self.state, self.log = out, state, log
+        self.main = state.is_main_process
+        self.lock: StoreLock | None = None
+        self.read_only = False  # the lock could not be created: only "already complete" is possible
+        self.existing: dict[str, Any] | None = None
+        self.store: FeatureStore | None = None
+        self._run_started: float | None = None
+        self._done_before = 0
+
+    def _on_main(self, step: Callable[[], T]) -> T:
+        """Run ``step`` on rank 0 and give its result, or its ``ExtractError``, to every rank."""
+        outcome: tuple[T | None, str | None] = (None, None)
+        if self.main:
+            try:
+                outcome = (step(), None)
+            except ExtractError as e:
+                outcome = (None, str(e))
+        if self.state.num_processes > 1:
+            box = [outcome]
+            broadcast_object_list(box, from_process=0)
+            outcome = box[0]
+        value, error = outcome
+        if error is not None:
+            raise ExtractError(error)
+        return value  # type: ignore[return-value]
+
+    # claim -----------------------------------------------------------------------------------------
+
+    def __enter__(self) -> StoreLife:
+        try:
+            self.existing = self._on_main(self._claim)
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _claim(self) -> dict[str, Any] | None:
+        check_out_path(self.out)  # a regular file, a foreign directory, an unwritable parent: refused now
+        lock = StoreLock(self.out)
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.lock = lock.__enter__()
+        except (LockUnavailable, OSError) as e:
+            if not self.out.is_dir():
+                raise e if isinstance(e, ExtractError) else ExtractError(f"--out {self.out}: {e}") from None
+            self.read_only = True
+        if self.lock is not None:
+            sweep_scratch(self.out)  # what a killed creation or overwrite left beside the store
+        return check_out_path(self.out)  # read again, now that nobody else can change it
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.__exit__(None, None, None)
+            self.lock = None
+
+    # decide ----------------------------------------------------------------------------------------
+
+    def decide(self, identity: dict[str, Any], fingerprint: str, overwrite: bool) -> str:
+        """``create`` (also whenever ``overwrite``), ``resume`` or ``complete``; refuses another job's store,
+        and a store whose done chunks lost objects is resumed to recompute exactly those."""
+        return self._on_main(lambda: self._decide(identity, fingerprint, overwrite))
+
+    def _decide(self, identity: dict[str, Any], fingerprint: str, overwrite: bool) -> str:
+        existing = self.existing
+        if existing is None or overwrite:
+            action = "create"
+        elif existing.get("fingerprint") == fingerprint:
+            action = "complete" if existing.get("status") == "complete" else "resume"
+        else:
+            before = existing.get("identity", {})
+            differs = [key for key in identity if before.get(key) != identity[key]] or ["fingerprint"]
+            raise ExtractError(
+                f"--out {self.out} holds a different job (differs in: {', '.join(differs)}); "
+                "pass --overwrite to replace it, or choose another --out"
+            )
+        if action != "create":
+            store = FeatureStore.open(self.out, mode="r")  # validates the metadata
+            if missing := store.missing_objects():
+                first = ", ".join(f"chunk {k}: {', '.join(names)}" for k, names in list(missing.items())[:3])
+                if self.read_only:
+                    raise ExtractError(
+                        f"--out {self.out} lost objects ({first}) and is not writable; copy it elsewhere"
+                    )
+                FeatureStore.open(self.out).clear_done(sorted(missing))
+                self.log(f"extract: {len(missing)} done chunks of {self.out} lost objects ({first}); recomputing them")
+                action = "resume"
+        if action != "complete":
+            if self.read_only:
+                raise ExtractError(
+                    f"--out {self.out} is not writable (read-only or no permission); choose another --out"
+                )
+            target = self.out if self.out.is_dir() else self.out.parent
+            check_writable(target, f"--out {self.out} is not writable")
+        return action
+
+    # create or reopen, and record the run --------------------------------------------------------
+
+    def open(self, action: str, create: Callable[[], FeatureStore]) -> FeatureStore:
+        """Rank 0 creates the store (atomically) when ``action`` is ``create``; then every rank opens it."""
+
+        def prepare() -> None:
+            if action == "create":
+                create()
+
+        self._on_main(prepare)
+        self.store = FeatureStore.open(self.out)
+        self._done_before = int(self.store.done_flags().sum())
+        return self.store
+
+    def begin_run(self, chunks_per_rank: list[int], hostnames: list[str]) -> None:
+        """Append this run's record; a record still "running" belongs to a run that was killed (the lock
+        proves it is not running now)."""
+        self._run_started = time.time()
+        if not self.main:
+            return
+        assert self.store is not None
+        runs = [
+            {**run, "status": "killed"} if run.get("status") == "running" else run
+            for run in self.store.attrs.get("runs", [])
+        ]
+        record = {
+            "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "world_size": self.state.num_processes,
+            "chunks_per_rank": chunks_per_rank,
+            "hostnames": hostnames,
+            "seconds": None,
+            "status": "running",
+        }
+        self.store.update_attrs(runs=[*runs, record])
+
+    def _end_run(self, **fields: Any) -> None:
+        assert self.store is not None and self._run_started is not None
+        runs = self.store.attrs.get("runs", [])
+        if runs:
+            runs[-1].update(seconds=round(time.time() - self._run_started, 3), **fields)
+            self.store.update_attrs(runs=runs)
+
+    # verify cheaply, mark complete, release --------------------------------------------------------
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Rank 0, after the last barrier: every chunk done and every object present, then complete."""
+        if not self.main:
+            return
+        assert self.store is not None
+        if left := self.store.pending_chunks():
+            raise ExtractError(f"chunks {left[:5]} of {self.out} were not written; rerun the same command")
+        if missing := self.store.missing_objects():
+            self.store.clear_done(sorted(missing))
+            raise ExtractError(
+                f"{len(missing)} chunks of {self.out} lost objects right after being written (chunk "
+                f"{next(iter(missing))}); check the filesystem, then rerun the same command"
+            )
+        self._end_run(status="complete")
+        self.store.update_attrs(status="complete", summary=summary)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: object) -> None:
+        try:
+            if error is not None and self._run_started is not None:
+                self._record_failure(error)
+        finally:
+            self._release()
+
+    def _record_failure(self, error: BaseException) -> None:
+        """Close the run's record, and give an interrupt one message with the whole job's count."""
+        store = self.store
+        if store is None:
+            return
+        if isinstance(error, Interrupted):
+            if not self.main:
+                error.quiet = True  # rank 0 speaks for the job
+                return
+            error.chunks_written = max(0, int(store.done_flags().sum()) - self._done_before)
+        if not self.main:
+            return
+        if isinstance(error, Interrupted | KeyboardInterrupt):
+            fields: dict[str, Any] = {"status": "interrupted"}
+        else:
+            fields = {"status": "failed", "error": (str(error).strip().splitlines() or [type(error).__name__])[0]}
+        try:
+            self._end_run(**fields)
+        except Exception:  # noqa: BLE001 - a read-only remount: the run's own error is the one to report
+            pass

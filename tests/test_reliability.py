@@ -1,0 +1,627 @@
+"""Issue 11: one job per store from the first instant, atomic creation, verified chunks, strict job files,
+signals. Most runs are forked from this process (torch is imported once), so a SIGKILL costs a fraction
+of a second; the multi-process ones use ``accelerate launch``."""
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from conftest import ROOT, TINY
+
+from extract.lock import lock_path
+from extract.reader import open_features
+from extract.store import FeatureStore
+from extract.verify import main as verify_main
+
+TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
+            "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+ARRAYS = ("features/heads.conv", "labels", "valid")
+
+
+def one_line_error(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def fork_start(args, before=None, stderr=os.devnull, own_group=False) -> int:
+    """``python -m extract ARGS`` in a forked child (torch is already imported: no start-up cost); returns
+    its pid. ``before`` runs in the child first (to make it kill itself at a chosen point); its stderr
+    goes to the file ``stderr``; ``own_group`` makes it lead a process group, as a shell job does."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if own_group:
+                os.setpgid(0, 0)
+            torch.set_num_threads(1)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the child exits with os._exit
+            if before is not None:
+                before()
+            from extract.cli import main
+
+            code = main([str(a) for a in args])
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def fork_wait(pid, kill_after=None) -> int:
+    """The child's exit code (-9 when killed); SIGKILL it after ``kill_after`` seconds if still running."""
+    reaped, status = 0, 0
+    if kill_after is not None:
+        deadline = time.time() + kill_after
+        while time.time() < deadline and not reaped:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.005)
+        if not reaped:
+            os.kill(pid, signal.SIGKILL)
+    if not reaped:
+        _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def fork_run(args, kill_after=None, before=None) -> int:
+    return fork_wait(fork_start(args, before), kill_after)
+
+
+def assert_same_store(got, expected):
+    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
+    assert a.attrs["status"] == "complete" and a["done"][:].all()
+    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
+    for name in ARRAYS:
+        np.testing.assert_array_equal(a[name][:], b[name][:], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny job, uninterrupted; its features checked against the model run directly."""
+    out = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    assert fork_run([*TINY_JOB, "--out", out]) == 0
+    from tiny_models import dict_net
+
+    from extract.data import build_dataset
+    from extract.models import build_model
+
+    loaded = build_model(f"{TINY}:dict_net", "DEFAULT", None, 0, 32)
+    dataset = build_dataset("synthetic:48", loaded.preprocess, loaded.input_size)
+    images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    net = dict_net().eval()
+    with torch.no_grad():
+        expected = net.heads.conv(images).numpy()
+    stored = zarr.open_group(out, mode="r")["features/heads.conv"][:]
+    np.testing.assert_allclose(stored, expected, rtol=0, atol=1e-5)
+    return out
+
+
+# ----------------------------------------------------------------------------------- kill storm
+
+
+def _die_on(target, name, nth=1, when=lambda *a, **k: True):
+    """In a forked child: SIGKILL ourselves on the ``nth`` matching call of ``target.name``."""
+    original = getattr(target, name)
+    calls = []
+
+    def dying(*args, **kwargs):
+        if when(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    return lambda: setattr(target, name, dying)
+
+
+def _after(target, name, when=lambda *a, **k: True):
+    """SIGKILL ourselves right after the first matching call of ``target.name`` returns."""
+    original = getattr(target, name)
+
+    def dying(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if when(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    return lambda: setattr(target, name, dying)
+
+
+def _completing(self, **values):
+    return values.get("status") == "complete"
+
+
+TARGETED = {
+    # the lock: its record written, not yet linked into place
+    "claim-lock": _die_on(os, "link", 1),
+    # creation: after the group's zarr.json, between arrays, before the rename into place
+    "create-first-array": _die_on(zarr.Group, "create_array", 1),
+    "create-third-array": _die_on(zarr.Group, "create_array", 3),
+    "create-rename": _die_on(os, "rename", 1, lambda src, dst: ".creating-" in str(src)),
+    # the final marking: before and after the status is written
+    "before-complete": _die_on(FeatureStore, "update_attrs", 1, _completing),
+    "after-complete": _after(FeatureStore, "update_attrs", _completing),
+    "mid-chunk": _die_on(FeatureStore, "write_chunk", 5),
+}
+
+
+def test_kill_storm_one_process(tmp_path, reference):
+    """SIGKILL at 20 instants (13 random times spread over a whole run; 7 chosen points: claiming the
+    lock, creation, mid-chunk and the final marking); after each, one rerun of the same command gives the uninterrupted store."""
+    timings = []
+    for _ in range(2):  # the second is warm, like the trials
+        started = time.time()
+        assert fork_run([*TINY_JOB, "--out", tmp_path / "timing.zarr", "--overwrite"]) == 0
+        timings.append(time.time() - started)
+    whole = min(timings)
+    rng = random.Random(11)
+    trials = [(f"t={t:.3f}s", t, None) for t in sorted(rng.uniform(0, whole) for _ in range(13))]
+    trials += [(name, None, before) for name, before in TARGETED.items()]
+    killed = 0
+    for name, at, before in trials:
+        out = tmp_path / "storm.zarr"
+        shutil.rmtree(out, ignore_errors=True)
+        first = fork_run([*TINY_JOB, "--out", out], kill_after=at, before=before)
+        killed += first == -signal.SIGKILL
+        assert first in (0, -signal.SIGKILL), name
+        assert fork_run([*TINY_JOB, "--out", out]) == 0, f"the rerun after the kill at {name} failed"
+        assert_same_store(out, reference)
+        assert not lock_path(out).exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".storm")] == [], "scratch left behind"
+    assert killed >= 12, f"most kills must land while the job runs ({killed} of 20 did; a run takes {whole:.2f} s)"
+
+
+def _launch(processes, args, out, port):
+    from test_distributed import launcher
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [*launcher(processes), "extract", *map(str, args), "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _ranks(launcher_pid):
+    from test_distributed import _rank_pids
+
+    return _rank_pids(launcher_pid)
+
+
+def _gone(pids, within):
+    deadline = time.time() + within
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split()[2] != "Z":
+                        alive.append(pid)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+LONGER = [*TINY_JOB[:-6], "--data", "synthetic:2000", "--chunk-size", "16", "--batch-size", "16"]  # a few seconds
+
+
+SLOW_NET = """
+import time, torch
+class Slow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+    def forward(self, x):
+        time.sleep({seconds})  # a slow model that costs no CPU: the job lasts while the test looks
+        return self.conv(x)
+def net():
+    return Slow()
+"""
+
+
+@pytest.mark.slow
+def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path):
+    """``kill -9`` of the launcher's process group (ranks run in sessions of their own): every rank is
+    gone within 10 s, marking nothing it did not finish, and a rerun completes the store."""
+    (tmp_path / "slow.py").write_text(SLOW_NET.format(seconds=0.1))
+    args = ["--model", f"{tmp_path / 'slow.py'}:net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
+            "--dtype", "float32", "--data", "synthetic:640", "--chunk-size", "16", "--batch-size", "16"]  # fmt: skip
+    out = tmp_path / "orphan.zarr"
+    job = _launch(2, args, out, None)
+    deadline = time.time() + 120
+    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()
+        time.sleep(0.02)
+    ranks = _ranks(job.pid)
+    assert len(ranks) == 2
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert _gone(ranks, 10), "orphaned ranks must stop"
+    group = zarr.open_group(out, mode="r")
+    assert group.attrs["status"] == "running" and group["done"][:].sum() < 40  # 20 batches a rank: it stopped early
+    assert not lock_path(out).exists()
+    features = group["features/conv"][:]
+    for chunk in np.flatnonzero(group["done"][:]):
+        assert not np.isnan(features[chunk * 16 : chunk * 16 + 16]).any()
+    assert fork_run([*args, "--out", out]) == 0
+
+    from extract.data import build_dataset
+    from extract.models import build_model
+
+    loaded = build_model(f"{tmp_path / 'slow.py'}:net", "DEFAULT", None, 0, 32)
+    dataset = build_dataset("synthetic:640", loaded.preprocess, loaded.input_size)
+    images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    with torch.no_grad():
+        expected = loaded.model.conv(images).numpy()
+    np.testing.assert_allclose(zarr.open_group(out, mode="r")["features/conv"][:], expected, rtol=0, atol=1e-5)
+    runs = zarr.open_group(out, mode="r").attrs["runs"]
+    assert [run["status"] for run in runs] == ["interrupted", "complete"] and runs[0]["seconds"] is not None
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_with_workers_stops_cleanly_with_one_line(tmp_path):
+    """torch elastic signals each rank's process group, DataLoader workers included: the workers leave
+    it to their rank, every rank stops after its batch, and one line gives the job's count."""
+    out = tmp_path / "launcher.zarr"
+    job = _launch(2, [*LONGER, "--num-workers", "1"], out, None)
+    deadline = time.time() + 120
+    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("extract: interrupted by SIGTERM")]
+    assert len(lines) == 1 and "rerun the same command to resume" in lines[0], err[-3000:]
+    group = zarr.open_group(out, mode="r")
+    assert group.attrs["runs"][-1]["status"] == "interrupted" and group.attrs["status"] == "running"
+    features = group["features/heads.conv"][:]
+    for chunk in np.flatnonzero(group["done"][:]):
+        assert not np.isnan(features[chunk * 16 : chunk * 16 + 16]).any()
+    assert not lock_path(out).exists()
+
+
+@pytest.mark.slow
+def test_kill_storm_two_processes(tmp_path):
+    """SIGKILL of everything (launcher and ranks) at points of a 2-process run (the store just created;
+    half the chunks done), then one rerun (a single process: resumes may change the process count)
+    gives the uninterrupted store. The model sleeps 50 ms a batch, so the kills land in the run."""
+    (tmp_path / "slow.py").write_text(SLOW_NET.format(seconds=0.05))
+    args = ["--model", f"{tmp_path / 'slow.py'}:net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
+            "--dtype", "float32", "--data", "synthetic:96", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+    expected = tmp_path / "expected.zarr"
+    assert fork_run([*args, "--out", expected]) == 0
+    for trial, done in enumerate([0, 12]):
+        out = tmp_path / f"storm2-{trial}.zarr"
+        job = _launch(2, args, out, None)
+        deadline = time.time() + 120
+        while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= done):
+            assert job.poll() is None and time.time() < deadline, job.stderr.read()
+            time.sleep(0.005)
+        ranks = _ranks(job.pid)
+        os.killpg(job.pid, signal.SIGKILL)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.wait()
+        assert _gone(ranks, 10)
+        assert zarr.open_group(out, mode="r").attrs["status"] == "running"
+        rerun = fork_start([*args, "--out", out], stderr=tmp_path / f"rerun-{trial}.err")
+        assert fork_wait(rerun) == 0, (tmp_path / f"rerun-{trial}.err").read_text()[-2000:]
+        a, b = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
+        assert a.attrs["status"] == "complete" and a["done"][:].all()
+        for name in ("features/conv", "labels", "valid"):
+            np.testing.assert_array_equal(a[name][:], b[name][:])
+
+
+# ---------------------------------------------------------------------------------- verify and repair
+
+
+def _chunk_file(out, array, chunk):
+    group = zarr.open_group(out, mode="r")
+    arr = group[array]
+    return Path(out) / array / arr.metadata.encode_chunk_key((chunk, *[0] * (arr.ndim - 1)))
+
+
+TAMPER = {
+    "delete-feature": ("features/heads.conv", lambda f: f.unlink(), "is missing"),
+    "truncate-feature": ("features/heads.conv", lambda f: f.write_bytes(f.read_bytes()[:40]), "fails its check"),
+    "corrupt-feature": (
+        "features/heads.conv",
+        lambda f: f.write_bytes(f.read_bytes()[:20] + b"\xff" * 8 + f.read_bytes()[28:]),
+        "fails its check",
+    ),
+    "empty-feature": ("features/heads.conv", lambda f: f.write_bytes(b""), "fails its check"),
+    "delete-labels": ("labels", lambda f: f.unlink(), "is missing"),
+    "delete-valid": ("valid", lambda f: f.unlink(), "is missing"),
+}
+
+
+@pytest.mark.parametrize("how", TAMPER)
+def test_verify_finds_damage_the_reader_refuses_it_and_repair_recomputes(tmp_path, reference, capsys, how):
+    array, tamper, problem = TAMPER[how]
+    out = tmp_path / "t.zarr"
+    shutil.copytree(reference, out)
+    assert verify_main([str(out)]) == 0
+    assert "all 12 done chunks" in capsys.readouterr().out
+    tamper(_chunk_file(out, array, 5))
+
+    assert verify_main([str(out)]) == 1
+    line = capsys.readouterr().out.strip()
+    assert len(line.splitlines()) == 1 and "1 of 12 done chunks damaged" in line and f"chunk 5: {array}" in line
+
+    features = open_features(out)
+    what = "layer 'heads.conv'" if array.startswith("features") else array
+    with pytest.raises(Exception, match=rf"{what}, chunk 5 \(samples 20-23\) {problem}") as error:
+        if array == "labels":
+            features.labels  # noqa: B018
+        elif array == "valid":
+            features.valid  # noqa: B018
+        else:
+            features.load("heads.conv")
+    assert "extract.verify" in str(error.value) and "--repair" in str(error.value)
+    assert features.load("heads.conv", slice(0, 20)).shape == (20, 4, 15, 15)  # other chunks still read
+
+    assert verify_main([str(out), "--repair"]) == 1
+    assert "cleared their done flags" in capsys.readouterr().out
+    assert zarr.open_group(out, mode="r")["done"][:].tolist() == [k != 5 for k in range(12)]
+    assert fork_run([*TINY_JOB, "--out", out]) == 0
+    assert_same_store(out, reference)
+    assert verify_main([str(out)]) == 0
+
+
+def test_a_complete_rerun_checks_presence_before_saying_done(tmp_path, reference, cli):
+    out = tmp_path / "lost.zarr"
+    shutil.copytree(reference, out)
+    _chunk_file(out, "features/heads.conv", 2).unlink()
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    assert code == 0 and "lost objects (chunk 2: features/heads.conv)" in err and "1 chunks written, 11 reused" in err
+    assert_same_store(out, reference)
+
+
+def test_verify_of_something_else_is_a_one_line_error(tmp_path, capsys):
+    assert verify_main([str(tmp_path)]) == 2
+    assert "not an extract store" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- metadata
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda a: a.update(num_samples=40), "num_samples 40"),
+        (lambda a: a.update(chunk_size=6), "chunk_size 6"),
+        (lambda a: a.update(format_version=99), "format_version 99"),
+        (lambda a: a.update(layers=["heads.conv", "fc"]), "no array 'features/fc'"),
+    ],
+)
+def test_edited_metadata_are_refused_on_open(tmp_path, reference, cli, edit, message):
+    out = tmp_path / "edited.zarr"
+    shutil.copytree(reference, out)
+    meta = json.loads((out / "zarr.json").read_text())
+    edit(meta["attributes"])
+    (out / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(Exception, match=message):
+        open_features(out)
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    assert code == 2 and message in one_line_error(err)
+
+
+# ------------------------------------------------------------------------------------ job files
+
+
+BAD_TOML = [
+    ('overwrite = "no"', "'overwrite' = 'no' must be a boolean"),
+    ("chunk_size = true", "'chunk_size' = True must be an integer"),
+    ('batch_size = "8"', "'batch_size' = '8' must be an integer"),
+    ("layers = 4", "'layers' = 4 must be a list of strings"),
+    ("image_size = 32.5", "'image_size' = 32.5 must be an integer"),
+    ("skip_bad_images = 1", "'skip_bad_images' = 1 must be a boolean"),
+    ("timeout = true", "'timeout' = True must be a number"),
+    ('seed = "0"', "'seed' = '0' must be an integer"),
+]
+
+
+@pytest.mark.parametrize("line, message", BAD_TOML)
+def test_bad_job_file_types_are_refused_before_anything_exists(tmp_path, cli, line, message):
+    job = tmp_path / "job.toml"
+    layers = "" if line.startswith("layers") else 'layers = ["heads.conv"]\n'
+    job.write_text(f'model = "{TINY}:dict_net"\n{layers}data = "synthetic:4"\n{line}\n')
+    out = tmp_path / "never.zarr"
+    code, _, err = cli("--config", job, "--out", out)
+    assert code == 2 and message in one_line_error(err) and str(job) in err
+    assert sorted(os.listdir(tmp_path)) == ["job.toml"]
+
+
+def test_overwrite_no_in_a_job_file_keeps_the_store(tmp_path, reference, cli):
+    out = tmp_path / "kept.zarr"
+    shutil.copytree(reference, out)
+    before = (out / "zarr.json").read_text()
+    job = tmp_path / "job.toml"
+    job.write_text('overwrite = "no"\nseed = 1\n')
+    code, _, err = cli("--config", job, *TINY_JOB, "--out", out)
+    assert code == 2 and "'overwrite' = 'no' must be a boolean" in one_line_error(err)
+    assert (out / "zarr.json").read_text() == before
+    assert_same_store(out, reference)
+
+
+# --------------------------------------------------------------------------------- one job per store
+
+
+@pytest.mark.parametrize("second", ["same job", "other seed"])
+def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
+    out = tmp_path / "race.zarr"
+    longer = [*TINY_JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
+    jobs = {"first": longer, "second": [*longer, "--seed", "1"] if second == "other seed" else longer}
+    pids = {"first": fork_start([*jobs["first"], "--out", out], stderr=tmp_path / "first.err")}
+    time.sleep(0.1)
+    pids["second"] = fork_start([*jobs["second"], "--out", out], stderr=tmp_path / "second.err")
+    results = {name: (fork_wait(pid), (tmp_path / f"{name}.err").read_text()) for name, pid in pids.items()}
+    winners = [name for name, (code, _) in results.items() if code == 0]
+    assert len(winners) == 1, results
+    (loser,) = set(results) - set(winners)
+    code, err = results[loser]
+    line = one_line_error(err)
+    assert code == 2 and "being written by another job" in line and f"pid {pids[winners[0]]}" in line
+    assert socket.gethostname() in line
+    expected = tmp_path / "expected.zarr"
+    assert fork_run([*jobs[winners[0]], "--out", expected]) == 0
+    group, clean = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
+    assert group.attrs["fingerprint"] == clean.attrs["fingerprint"] and group.attrs["status"] == "complete"
+    for name in ARRAYS:
+        np.testing.assert_array_equal(group[name][:], clean[name][:])
+    assert len(group.attrs["runs"]) == 1
+
+
+def test_stale_lock_of_a_live_reused_pid_is_taken_over_by_age(tmp_path, cli):
+    out = tmp_path / "reused.zarr"
+    lock = lock_path(out)
+    # this host, a live pid (our own parent), but a heartbeat stopped ten minutes ago
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "2026-01-01T00:00:00"}))
+    code, _, err = cli(*TINY_JOB[:-6], "--data", "synthetic:4", "--out", out)
+    assert code == 2 and "being written by another job" in one_line_error(err)
+    old = time.time() - 600
+    os.utime(lock, (old, old))
+    code, _, err = cli(*TINY_JOB[:-6], "--data", "synthetic:4", "--out", out)
+    assert code == 0, err
+    assert not lock.exists()
+
+
+def test_interrupted_overwrite_leaves_old_store_or_nothing(tmp_path, reference):
+    """A kill at every step of --overwrite: afterwards --out holds the old store or nothing, and the same
+    command completes the new one."""
+    other = [*TINY_JOB, "--seed", "1"]
+    for step in ("rename-aside", "rename-into-place", "delete-old"):
+        out = tmp_path / f"over-{step}.zarr"
+        shutil.copytree(reference, out)
+        if step == "delete-old":
+            before = _die_on(shutil, "rmtree", 1, lambda path, **k: ".trash-" in str(path))
+        elif step == "rename-aside":
+            before = _die_on(os, "rename", 1, lambda src, dst: ".trash-" in str(dst))
+        else:
+            before = _die_on(os, "rename", 1, lambda src, dst: ".creating-" in str(src))
+        assert fork_run([*other, "--out", out, "--overwrite"], before=before) == -signal.SIGKILL
+        if step == "rename-into-place":
+            assert not out.exists()  # the old store was moved aside, the new one not yet in place
+        else:
+            FeatureStore.open(out, mode="r")  # a whole store: the old one, or the new one
+        assert fork_run([*other, "--out", out, "--overwrite"]) == 0
+        assert zarr.open_group(out, mode="r").attrs["status"] == "complete"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(f".over-{step}")] == []
+
+
+@pytest.mark.parametrize("status", ["complete", "running"])
+def test_a_store_on_a_read_only_mount(tmp_path, reference, cli, monkeypatch, status):
+    """The lock cannot be created (EROFS; as root, permissions would not stop us): a complete store is
+    "already complete", an unfinished one is refused as not writable, untouched either way."""
+    import errno
+
+    import extract.lock
+
+    out = tmp_path / "ro.zarr"
+    shutil.copytree(reference, out)
+    if status == "running":
+        zarr.open_group(out, mode="r+").attrs["status"] = "running"
+
+    def read_only(path, record):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(extract.lock, "_create", read_only)
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    if status == "complete":
+        assert code == 0 and "already complete" in err
+    else:
+        assert code == 2 and "not writable" in one_line_error(err)
+    assert sorted(os.listdir(tmp_path)) == ["ro.zarr"]
+
+
+def test_a_store_still_being_created_is_an_error_not_a_keyerror(tmp_path):
+    out = tmp_path / "half.zarr"
+    zarr.open_group(out, mode="w", attributes={"format": "extract-features", "format_version": 2,
+                                               "num_samples": 4, "chunk_size": 2, "layers": ["x"]})  # fmt: skip
+    with pytest.raises(Exception, match="has no array 'features/x'"):
+        open_features(out, allow_partial=True)
+
+
+# ----------------------------------------------------------------------------------- signals, records
+
+
+def test_sigterm_during_start_up_stops_cleanly(tmp_path):
+    """A signal while the model is being built (after --out is claimed, before anything is created)."""
+    factory = tmp_path / "slow.py"
+    factory.write_text("import time, torch\ndef net():\n    time.sleep(30)\n    return torch.nn.Conv2d(3, 4, 3)\n")
+    out = tmp_path / "early.zarr"
+    job = fork_start([*TINY_JOB[2:], "--model", f"{factory}:net", "--out", out], stderr=tmp_path / "err")
+    deadline = time.time() + 60
+    while not lock_path(out).exists():
+        assert time.time() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    os.kill(job, signal.SIGTERM)
+    assert fork_wait(job) == 128 + signal.SIGTERM
+    err = (tmp_path / "err").read_text()
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    assert sorted(os.listdir(tmp_path)) in (["err", "slow.py"], ["__pycache__", "err", "slow.py"])
+
+
+def test_sigterm_to_the_process_group_with_workers_keeps_chunks_and_records_the_run(tmp_path):
+    out = tmp_path / "group.zarr"
+    args = [*LONGER, "--num-workers", "2"]
+    job = fork_start([*args, "--out", out], stderr=tmp_path / "err", own_group=True)
+    deadline = time.time() + 120
+    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.killpg(job, signal.SIGTERM)  # what SLURM sends: the process and its DataLoader workers
+    assert fork_wait(job) == 143
+    err = (tmp_path / "err").read_text()
+    messages = [line for line in err.splitlines() if line.startswith("extract: interrupted")]
+    assert len(messages) == 1 and "Traceback" not in err and "DataLoader worker" not in err, err
+    group = zarr.open_group(out, mode="r")
+    done = int(group["done"][:].sum())
+    assert f"{done} chunks written" in messages[0]
+    run = group.attrs["runs"][-1]
+    assert run["status"] == "interrupted" and run["seconds"] > 0
+    assert fork_run([*args, "--out", out]) == 0
+    runs = zarr.open_group(out, mode="r").attrs["runs"]
+    assert [r["status"] for r in runs] == ["interrupted", "complete"]
+
+
+def test_a_killed_run_is_recorded_as_killed_after_a_resume(tmp_path, reference):
+    out = tmp_path / "k.zarr"
+    assert fork_run([*TINY_JOB, "--out", out], before=_die_on(FeatureStore, "write_chunk", 4)) == -signal.SIGKILL
+    assert fork_run([*TINY_JOB, "--out", out]) == 0
+    runs = zarr.open_group(out, mode="r").attrs["runs"]
+    assert [r["status"] for r in runs] == ["killed", "complete"]
+
+
+def test_disk_full_during_creation_is_one_line_and_leaves_nothing(tmp_path, cli, monkeypatch):
+    real = FeatureStore._build
+
+    def full(path, *args):
+        real(path, *args)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FeatureStore, "_build", staticmethod(full))
+    out = tmp_path / "full.zarr"
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    assert code == 2 and "No space left on device" in one_line_error(err)
+    assert os.listdir(tmp_path) == []
