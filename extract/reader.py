@@ -179,7 +179,7 @@ class Features:
         """(N,) str: where each row came from (path relative to the root, ``shard/key``, ``file/row``)."""
         if "keys" not in self.store.group:
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
-        return self.store.array("keys")[:]
+        return self._checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
 
     @property
     def classes(self) -> list[str] | None:

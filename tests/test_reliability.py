@@ -27,7 +27,7 @@ from extract.verify import main as verify_main
 
 TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
             "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
-ARRAYS = ("features/heads.conv", "labels", "valid")
+ARRAYS = ("features/heads.conv", "labels", "valid", "keys")
 
 
 def one_line_error(err: str) -> str:
@@ -98,7 +98,7 @@ def reference(tmp_path_factory):
     from extract.models import build_model
 
     loaded = build_model(f"{TINY}:dict_net", "DEFAULT", None, 0, 32)
-    dataset = build_dataset("synthetic:48", loaded.preprocess, loaded.input_size)
+    dataset = build_dataset("synthetic:48", loaded.preprocess, max(loaded.input_size))
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     net = dict_net().eval()
     with torch.no_grad():
@@ -265,7 +265,7 @@ def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path):
     from extract.models import build_model
 
     loaded = build_model(f"{tmp_path / 'slow.py'}:net", "DEFAULT", None, 0, 32)
-    dataset = build_dataset("synthetic:640", loaded.preprocess, loaded.input_size)
+    dataset = build_dataset("synthetic:640", loaded.preprocess, max(loaded.input_size))
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     with torch.no_grad():
         expected = loaded.model.conv(images).numpy()
@@ -351,6 +351,7 @@ TAMPER = {
     "empty-feature": ("features/heads.conv", lambda f: f.write_bytes(b""), "fails its check"),
     "delete-labels": ("labels", lambda f: f.unlink(), "is missing"),
     "delete-valid": ("valid", lambda f: f.unlink(), "is missing"),
+    "delete-keys": ("keys", lambda f: f.unlink(), "is missing"),  # written at creation, restored by the rerun
 }
 
 
@@ -370,10 +371,8 @@ def test_verify_finds_damage_the_reader_refuses_it_and_repair_recomputes(tmp_pat
     features = open_features(out)
     what = "layer 'heads.conv'" if array.startswith("features") else array
     with pytest.raises(Exception, match=rf"{what}, chunk 5 \(samples 20-23\) {problem}") as error:
-        if array == "labels":
-            features.labels  # noqa: B018
-        elif array == "valid":
-            features.valid  # noqa: B018
+        if array in ("labels", "valid", "keys"):
+            getattr(features, array)
         else:
             features.load("heads.conv")
     assert "extract.verify" in str(error.value) and "--repair" in str(error.value)
