@@ -20,6 +20,20 @@ Transform = Callable[[Any], torch.Tensor]
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 
+def stored_image(value: Any) -> RawImage:
+    """A cell of an image column: bytes, or Hugging Face's ``{bytes, path}`` struct (bytes, else the
+    file at path); an empty one is an error the run reports as a bad sample."""
+    if isinstance(value, dict):
+        data = value.get("bytes")
+        if data is None and value.get("path"):
+            with open(value["path"], "rb") as f:
+                data = f.read()
+        value = data
+    if value is None:
+        raise ValueError("the image is empty")
+    return value
+
+
 def is_jpeg(data: bytes | memoryview) -> bool:
     return bytes(data[:3]) == JPEG_MAGIC
 

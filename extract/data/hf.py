@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExtractError
-from .decode import RawImage
+from .decode import RawImage, stored_image
 from .source import Source
 
 
@@ -69,14 +69,7 @@ class HFSource(Source):
 
     def load(self, index: int) -> tuple[RawImage, int]:
         row = self.dataset[index]
-        value = row[self.image_key]
-        if isinstance(value, dict):
-            data = value.get("bytes")
-            if data is None and value.get("path"):
-                data = Path(value["path"]).read_bytes()
-            value = data
-        if value is None:
-            raise ValueError("the image is empty")
+        value = stored_image(row[self.image_key])
         label = row[self.label_key] if self.label_key else None
         return value, int(label) if isinstance(label, int) else -1
 

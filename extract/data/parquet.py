@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ExtractError
-from .decode import RawImage
+from .decode import RawImage, stored_image
 from .listing import Ranks, on_one_rank
 from .source import Source, listing_hash
 
@@ -148,14 +148,7 @@ class ParquetSource(Source):
         position = bisect.bisect_right(self.group_starts, index) - 1
         rows = self._row_group(position)
         at = index - self.group_starts[position]
-        value = rows[self.listing.image_column][at]
-        if isinstance(value, dict):
-            data = value.get("bytes")
-            if data is None and value.get("path"):
-                data = Path(value["path"]).read_bytes()
-            value = data
-        if value is None:
-            raise ValueError("the image cell is empty")
+        value = stored_image(rows[self.listing.image_column][at])
         label = rows[self.listing.label_column][at] if self.listing.label_column else None
         return value, int(label) if isinstance(label, int) else -1
 
