@@ -53,17 +53,25 @@ class PeerStopped(Interrupted):
 
 class StopRequests:
     """While active, SIGTERM/SIGINT raise ``Interrupted`` at once until ``defer()``; after it the first
-    only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once.
+    only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once, except
+    a SIGTERM repeating a SIGTERM within ``ECHO_SECONDS``: SLURM signals every process of a step and
+    the launcher forwards the same signal to its ranks, so one preemption arrives twice.
     Handlers are restored on exit; inactive off the main thread."""
+
+    ECHO_SECONDS = 2.0
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._deferring = False
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._deferring and self.signum is None:
-            self.signum = signum
+            self.signum, self._first_at = signum, time.monotonic()
+            return
+        echo = signum == self.signum == signal.SIGTERM and time.monotonic() - self._first_at < self.ECHO_SECONDS
+        if self._deferring and echo:
             return
         raise Interrupted(self.signum or signum, 0)
 

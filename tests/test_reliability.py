@@ -624,3 +624,17 @@ def test_disk_full_during_creation_is_one_line_and_leaves_nothing(tmp_path, cli,
     code, _, err = cli(*TINY_JOB, "--out", out)
     assert code == 2 and "No space left on device" in one_line_error(err)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_sigterm_echoed_by_the_launcher_is_one_request_a_second_kind_stops_at_once():
+    """SLURM signals every process of the step and accelerate's launcher forwards it to its ranks: one
+    preemption reaches a rank twice, and must still stop it after the batch."""
+    from extract.interrupt import Interrupted, StopRequests
+
+    with StopRequests() as stop:
+        stop.defer()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the echo: ignored
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C on top: at once
