@@ -19,8 +19,10 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 ORPHAN_GRACE = 5.0  # seconds an orphaned rank gets to stop cleanly before it exits regardless
 
 
-class Interrupted(Exception):
-    """The run stopped on a signal; finished chunks are marked done and a rerun resumes."""
+class Interrupted(BaseException):
+    """The run stopped on a signal; finished chunks are marked done and a rerun resumes. A
+    BaseException, like KeyboardInterrupt: it may be raised inside a user's factory or a library
+    during start-up, and no ``except Exception`` there may turn a stop request into an error."""
 
     def __init__(self, signum: int, chunks_written: int) -> None:
         self.signum = signum

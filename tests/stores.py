@@ -37,7 +37,8 @@ def array_store(
 def add_keys(path: Path, keys: list[str], classes: list[str] | None = None) -> None:
     """Root ``keys`` (N,) strings and the ``classes`` attribute, as stores will have them."""
     group = zarr.open_group(path, mode="r+")
-    array = group.create_array("keys", shape=(len(keys),), dtype=str, dimension_names=("sample",))
+    chunks = (group.attrs["chunk_size"],)  # chunked like the data, as the extraction writes them
+    array = group.create_array("keys", shape=(len(keys),), chunks=chunks, dtype=str, dimension_names=("sample",))
     array[:] = np.array(keys, dtype=object)
     if classes is not None:
         group.attrs["classes"] = classes
