@@ -255,12 +255,16 @@ def test_scancel_term_then_requeue_resumes(cluster, tmp_path, paced_reference):
     cluster("scancel", "--signal=TERM", job_id)  # to the job's steps: every process of the extraction
     info = cluster.wait(job_id, timeout=60)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "143:0", log.read_text()[-3000:]
-    # Each rank gets SIGTERM from SLURM and again from its launcher: either it stops after its batch
-    # ("interrupted by SIGTERM: ...") or, at the second signal, at once ("interrupted; ..."). Either way
-    # only complete chunks are marked done.
+    # Each rank gets SIGTERM from SLURM and again from its launcher; an echo within 2 s is the same
+    # request, so it stops after its batch ("interrupted by SIGTERM: ..."). A later one would stop it at
+    # once ("interrupted; ..."), which a loaded machine could cause: either way only complete chunks
+    # are marked done.
     assert "rerun the same command to resume" in log.read_text()
     finished = _stopped_cleanly(out, paced_reference)
 
+    # slurmd revoked the job's credential when it was killed, with a time in whole seconds: a requeued
+    # run whose new credential bears the same second is refused ("Job credential revoked").
+    time.sleep(2)
     cluster("scontrol", "requeue", job_id)
     cluster("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # a requeued job waits 2 minutes
     info = cluster.wait(job_id)
