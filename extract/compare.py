@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .cli import Parser
-from .errors import ExtractError
+from .errors import ExtractError, write_output
 from .reader import Features, open_features
 from .samples import default_pool, select_layers
 
@@ -299,10 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             record = {"rows": cka.rows, "cols": cka.cols, "cka": cka.matrix.tolist(), "num_samples": cka.num_samples,
                       "matched": cka.matched}  # fmt: skip
-            try:
-                Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
-            except OSError as e:
-                raise ExtractError(f"--json {args.json}: cannot write it ({e.strerror})") from None
+            write_output("--json", args.json, json.dumps(record, indent=2) + "\n")
     except ExtractError as e:
         print(f"extract.compare: error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .cli import Parser
-from .errors import ExtractError
+from .errors import ExtractError, write_output
 from .knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_predict
 from .linear import DEFAULT_LRS, fit_minibatch
 from .linear import accuracy as streamed_accuracy
@@ -316,10 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
         if args.json:
             stores = {"store": args.store} if args.store else {"train": args.train, "test": args.test}
-            try:
-                Path(args.json).write_text(json.dumps({**stores, "layers": list(records.values())}, indent=2) + "\n")
-            except OSError as e:
-                raise ExtractError(f"--json {args.json}: cannot write it ({e.strerror})") from None
+            write_output("--json", args.json, json.dumps({**stores, "layers": list(records.values())}, indent=2) + "\n")
     except ExtractError as e:
         print(f"extract.probe: error: {e}", file=sys.stderr, flush=True)
         return 2

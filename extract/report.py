@@ -30,7 +30,7 @@ from PIL import Image
 from . import figures
 from .cli import Parser
 from .compare import Side, keys_and_classes, minibatch_cka
-from .errors import ExtractError
+from .errors import ExtractError, write_output
 from .probe import probe_rows, resolve_device, split
 from .reader import Features, open_features
 from .samples import Samples, default_pool, labelled_rows, select_layers
@@ -253,10 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         args.device = resolve_device(args.device)
         report = build_report(args.store, args)
-        try:
-            Path(args.out).write_text(report.html())
-        except OSError as e:
-            raise ExtractError(f"--out {args.out}: cannot write it ({e.strerror})") from None
+        write_output("--out", args.out, report.html())
         print(f"{args.out}: {len(report.figures)} figures" + "".join(f"; {n}" for n in report.notes))
     except ExtractError as e:
         print(f"extract.report: error: {e}", file=sys.stderr, flush=True)
