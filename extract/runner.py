@@ -211,7 +211,7 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
         # the identity's fields a reader most often wants, at the top level
         **{key: identity[key] for key in TOP_LEVEL},
         "source": loaded.source,
-        "preprocessing": loaded.preprocessing,
+        "preprocessing": preprocessing,
         "pools": layers.pools,
         "layouts": layers.stored_layouts(),
         "dataset": spec.data,

@@ -15,7 +15,7 @@ from .errors import ExtractError
 from .layers import LayerRef, model_failed, shape_text
 from .layout import LAYOUTS, infer_layout, selected_shape, trace
 from .models import LoadedModel
-from .pooling import Pool, make_pool, per_layer
+from .pooling import Pool, PoolShapeError, make_pool, per_layer
 
 
 @dataclass
@@ -42,41 +42,49 @@ def setup_layers(
     example: torch.Tensor,
     autocast: Any,
 ) -> LayerSetup:
-    """``example`` is a batch of 2 at the model's input size, on the model's device."""
-    modules = dict(model.named_modules())
-    wanted = {ref.module for ref in refs}
+    """``example`` is a batch of 2 at the model's input size, on the model's device. One forward
+    captures the layers whole (validating them), a second at twice the size tells their layouts;
+    the pooling is then tried on what the first captured."""
+    outputs = _capture(loaded, model, refs, example, autocast)
+    larger = torch.nn.functional.interpolate(example, scale_factor=2.0) if example.dim() == 4 else example
 
     def run(x: torch.Tensor) -> Any:
         with autocast:
             return loaded.call(model, x)
 
     try:
-        small = trace(model, run, example, wanted)
-    except ExtractError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
-        raise model_failed(example, e) from None
-    larger = torch.nn.functional.interpolate(example, scale_factor=2.0) if example.dim() == 4 else example
-    try:
-        large = trace(model, run, larger.contiguous(memory_format=_memory_format(example)), wanted)
+        large = trace(model, run, larger.contiguous(memory_format=_memory_format(example)), {r.module for r in refs})
     except Exception:  # noqa: BLE001 - a model with a fixed input size: other rules decide the layouts
         large = {}
     given = per_layer(layout or [], refs, "layout", None)
     for name, value in given.items():
         if value is not None and value not in LAYOUTS:
             raise ExtractError(f"--layout {name}={value}: choose one of {', '.join(LAYOUTS)}")
+    modules = dict(model.named_modules())
     layouts: dict[str, str | None] = {}
     for ref in refs:
-        shapes = small.get(ref.module)
-        if shapes is None:
-            continue  # never ran: reported below
-        small_shape = selected_shape(shapes[0], ref.selector)
         large_shape = selected_shape(large[ref.module][0], ref.selector) if ref.module in large else None
-        inferred = infer_layout(ref.module, modules[ref.module], small_shape, large_shape, loaded.layout_hints)
+        inferred = infer_layout(
+            ref.module, modules[ref.module], outputs[ref.name].shape, large_shape, loaded.layout_hints
+        )
         layouts[ref.name] = given[ref.name] or inferred
     pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
-    reduce = {ref.name: make_pool(pools[ref.name], layouts.get(ref.name)) for ref in refs}
-    shapes = probe_shapes(loaded, model, refs, reduce, example, autocast)
+    reduce = {ref.name: make_pool(pools[ref.name], layouts[ref.name]) for ref in refs}
+    shapes = {}
+    for ref in refs:
+        value, fn = outputs[ref.name], reduce[ref.name]
+        if fn is not None:
+            try:
+                with torch.inference_mode():
+                    value = fn(value)
+            except PoolShapeError as e:
+                raise e.for_layer(ref.name) from None
+        if value.dim() == 0 or value.shape[0] != len(example):
+            raise ExtractError(
+                f"layer '{ref.name}' gives shape {shape_text(value.shape)} for a batch of {len(example)}: "
+                "its first axis is not the batch; pick another layer"
+            )
+        shapes[ref.name] = tuple(value.shape[1:])
     return LayerSetup(pools, reduce, layouts, shapes)
 
 
@@ -88,29 +96,17 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     )
 
 
-def probe_shapes(
-    loaded: LoadedModel,
-    model: torch.nn.Module,
-    refs: Sequence[LayerRef],
-    reduce: dict[str, Pool | None],
-    example: torch.Tensor,
-    autocast: Any,
-) -> dict[str, tuple[int, ...]]:
-    """Run one batch through the capture: each layer runs exactly once, the pooling fits, the batch
-    stays the first axis; returns each stored feature's shape."""
+def _capture(
+    loaded: LoadedModel, model: torch.nn.Module, refs: Sequence[LayerRef], example: torch.Tensor, autocast: Any
+) -> dict[str, torch.Tensor]:
+    """One batch through the capture, kept whole: each layer runs exactly once and its selector fits."""
     try:
-        with Capture(model, list(refs), reduce=reduce) as cap, torch.inference_mode(), autocast:
+        with Capture(model, list(refs)) as cap, torch.inference_mode(), autocast:
             loaded.call(model, example)
     except ExtractError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
         raise model_failed(example, e) from None
     if missing := cap.missing():
         raise ExtractError(f"layer {', '.join(map(repr, missing))} never ran in the forward; pick layers that run")
-    for name, value in cap.outputs.items():
-        if value.dim() == 0 or value.shape[0] != len(example):
-            raise ExtractError(
-                f"layer '{name}' gives shape {shape_text(value.shape)} for a batch of {len(example)}: "
-                "its first axis is not the batch; pick another layer"
-            )
-    return {ref.name: tuple(cap.outputs[ref.name].shape[1:]) for ref in refs}
+    return cap.outputs
