@@ -41,7 +41,7 @@ def _split_selector(pattern: str) -> tuple[str, int | str | None]:
     return module, int(selector) if selector.lstrip("-").isdigit() else selector
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches_glob(pattern: str, name: str) -> bool:
     # '*' stays inside one dotted segment, so 'layer*' gives layer1..layer4, not their children.
     parts, segments = pattern.split("."), name.split(".")
     return len(parts) == len(segments) and all(fnmatchcase(s, p) for p, s in zip(parts, segments, strict=True))
@@ -76,7 +76,7 @@ def resolve_layers(
     refs: list[LayerRef] = []
     for pattern in patterns:
         pattern = _normalize_alias(pattern, aliases)
-        if any(c in pattern for c in "*?[") and (found_aliases := [a for a in aliases if _matches(pattern, a)]):
+        if any(c in pattern for c in "*?[") and (found_aliases := [a for a in aliases if matches_glob(pattern, a)]):
             refs.extend(aliases[a] for a in found_aliases)
             continue
         if pattern in aliases:
@@ -84,7 +84,7 @@ def resolve_layers(
             continue
         module_pattern, selector = _split_selector(pattern)
         if any(c in module_pattern for c in "*?["):
-            found = [n for n in names if _matches(module_pattern, n)]
+            found = [n for n in names if matches_glob(module_pattern, n)]
         else:
             found = [module_pattern] if module_pattern in names else []
         if not found:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ExtractError
-from .layers import LayerRef, _matches, shape_text
+from .layers import LayerRef, matches_glob, shape_text
 
 Pool = Callable[[torch.Tensor], torch.Tensor]
 
@@ -104,4 +104,4 @@ def per_layer(
 
 
 def _pattern_hits(pattern: str, ref: LayerRef) -> bool:
-    return any(pattern == name or _matches(pattern, name) for name in {ref.name, ref.module})
+    return any(pattern == name or matches_glob(pattern, name) for name in {ref.name, ref.module})

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .errors import ExtractError
-from .layers import _matches, closest
+from .layers import closest, matches_glob
 from .reader import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
@@ -26,7 +26,7 @@ def select_layers(stored: Sequence[str], patterns: Sequence[str] | None, *, stor
     picked: set[str] = set()
     for pattern in patterns:
         if any(c in pattern for c in "*?["):
-            found = [name for name in stored if _matches(pattern, name)]
+            found = [name for name in stored if matches_glob(pattern, name)]
         else:
             found = [pattern] if pattern in stored else []
         if not found:
