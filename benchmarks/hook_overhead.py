@@ -45,13 +45,13 @@ from torchvision.models.feature_extraction import create_feature_extractor
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extract.capture import Capture  # noqa: E402
-from extract.plan import Plan, default_chunk_size  # noqa: E402
-from extract.runner import default_writer_threads  # noqa: E402
-from extract.spec import JobSpec  # noqa: E402
-from extract.staging import HostStaging  # noqa: E402
-from extract.store import FeatureStore  # noqa: E402
-from extract.writer import ChunkWriter  # noqa: E402
+from extract.capture.hooks import Capture  # noqa: E402
+from extract.capture.staging import HostStaging  # noqa: E402
+from extract.job.plan import Plan, default_chunk_size  # noqa: E402
+from extract.job.runner import default_writer_threads  # noqa: E402
+from extract.job.spec import JobSpec  # noqa: E402
+from extract.store.store import FeatureStore  # noqa: E402
+from extract.store.writer import ChunkWriter  # noqa: E402
 
 
 def submit(writer: ChunkWriter, slot: Any, indices: torch.Tensor, labels: torch.Tensor) -> None:

@@ -68,7 +68,7 @@ def fork_run(out: Path, kill_after: float | None = None) -> int:
             torch.set_num_threads(1)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
             sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the child leaves through os._exit
-            from extract.cli import main
+            from extract.cli.extract import main
 
             code = main([*JOB, "--out", str(out)])
         finally:
@@ -218,7 +218,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    import extract.runner  # noqa: F401 - imported once here, so a forked trial's clock starts at the job itself
+    import extract.job.runner  # noqa: F401 - imported once here, so a forked trial's clock starts at the job itself
 
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kill-storm-"))

@@ -79,7 +79,7 @@ def child(args: argparse.Namespace) -> None:
         raise SystemExit(0)
 
     runner._loop = stop_at_loop
-    from extract.spec import JobSpec
+    from extract.job.spec import JobSpec
 
     spec = JobSpec(
         model="resnet18", weights="none", layers=["conv1"], data=f"imagefolder:{args.data}", out=str(args.out),

@@ -40,10 +40,10 @@ from zarr.codecs import BloscCodec, ZstdCodec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extract.plan import MAX_CHUNK_SIZE, Plan  # noqa: E402
-from extract.staging import HostStaging  # noqa: E402
-from extract.store import FeatureStore, dimension_names  # noqa: E402
-from extract.writer import ChunkWriter  # noqa: E402
+from extract.capture.staging import HostStaging  # noqa: E402
+from extract.job.plan import MAX_CHUNK_SIZE, Plan  # noqa: E402
+from extract.store.store import FeatureStore, dimension_names  # noqa: E402
+from extract.store.writer import ChunkWriter  # noqa: E402
 
 
 def submit(writer: ChunkWriter, slot: Any, indices: torch.Tensor, labels: torch.Tensor) -> None:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--layouts", nargs="+", default=["chunk", "shard"], choices=["chunk", "shard"])
-    p.add_argument("--target-mib", type=int, default=16, help="chunk target (extract.plan: 16 MiB)")
+    p.add_argument("--target-mib", type=int, default=16, help="chunk target (extract.job.plan: 16 MiB)")
     p.add_argument("--targets-mib", type=int, nargs="*", default=[4, 64], help="extra targets, zstd-1/t2/chunk")
     p.add_argument("--samples", type=int, default=256, help="samples written per case (at least 2 objects)")
     p.add_argument("--batch-size", type=int, default=32)

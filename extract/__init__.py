@@ -1,13 +1,38 @@
-"""Capture layer activations of PyTorch models into chunked zarr stores, on one or many GPUs."""
+"""Capture layer activations of PyTorch models into chunked zarr stores, on one or many GPUs.
+
+The public API is imported lazily, so that ``python -m extract.probe`` (or a reader in a training
+script) does not load the extraction pipeline it does not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .capture import Capture, StopForward, capture
-from .errors import ExtractError
-from .feature_dataset import ChunkShuffleSampler, FeatureDataset
-from .layers import LayerRef, resolve_layers
-from .reader import Features, open_features
-from .spec import JobSpec
+_PUBLIC = {
+    "Capture": "capture.hooks",
+    "StopForward": "capture.hooks",
+    "LayerRef": "capture.layers",
+    "resolve_layers": "capture.layers",
+    "ChunkShuffleSampler": "read.dataset",
+    "FeatureDataset": "read.dataset",
+    "Features": "read.features",
+    "open_features": "read.features",
+    "JobSpec": "job.spec",
+    "run": "job.runner",
+}
+
+from .errors import ExtractError  # noqa: E402 - light, and what every caller catches
+
+if TYPE_CHECKING:
+    from .capture.hooks import Capture, StopForward
+    from .capture.layers import LayerRef, resolve_layers
+    from .job.runner import run
+    from .job.spec import JobSpec
+    from .read.dataset import ChunkShuffleSampler, FeatureDataset
+    from .read.features import Features, open_features
 
 __all__ = [
     "Capture",
@@ -19,7 +44,15 @@ __all__ = [
     "LayerRef",
     "StopForward",
     "__version__",
-    "capture",
     "open_features",
     "resolve_layers",
+    "run",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'extract' has no attribute {name!r}")

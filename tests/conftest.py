@@ -24,7 +24,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, launcher:
 @pytest.fixture
 def cli(capsys):
     """The CLI in this process (fast: torch is imported once); returns (exit code, stdout, stderr)."""
-    from extract.cli import main
+    from extract.cli.extract import main
 
     def call(*args: str):
         code = main([str(a) for a in args])

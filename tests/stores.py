@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from extract.store import FeatureStore
+from extract.store.store import FeatureStore
 
 
 def array_store(

@@ -31,7 +31,7 @@ def hook_count(model: nn.Module) -> int:
 def test_tutorial_capture_fc1():
     torch.manual_seed(0)
     net, x = Net(), torch.randn(4, 10)
-    with extract.capture(net, ["fc1"]) as cap:
+    with extract.Capture(net, ["fc1"]) as cap:
         y = net(x)
     torch.testing.assert_close(cap["fc1"], net.fc1(x), rtol=0, atol=0)
     torch.testing.assert_close(y, net(x), rtol=0, atol=0)

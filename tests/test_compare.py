@@ -10,7 +10,7 @@ from PIL import Image
 from stores import add_keys, array_store
 
 from extract import ExtractError, Features, open_features
-from extract.compare import Side, compare, main, minibatch_cka, parse_target
+from extract.analysis.cka import Side, compare, main, minibatch_cka, parse_target
 
 
 def hsic_u_statistic(x, y):

@@ -9,12 +9,12 @@ import torchvision
 import zarr
 from conftest import ROOT
 
-from extract.cli import parse_spec
+from extract.capture.layers import resolve_layers
+from extract.capture.pooling import make_pool, per_layer
+from extract.cli.extract import parse_spec
 from extract.data import DATA_KINDS
-from extract.layers import resolve_layers
 from extract.models import build_model
-from extract.pooling import make_pool, per_layer
-from extract.store import codecs
+from extract.store.store import codecs
 
 JOBS = sorted((ROOT / "jobs").glob("*.toml"))
 

@@ -11,10 +11,10 @@ from reference import reference, resnet18, synthetic_images
 from torch import nn
 
 from extract import Capture
-from extract.plan import Plan
-from extract.staging import HostStaging
-from extract.store import FeatureStore
-from extract.writer import ChunkWriter
+from extract.capture.staging import HostStaging
+from extract.job.plan import Plan
+from extract.store.store import FeatureStore
+from extract.store.writer import ChunkWriter
 
 pytestmark = [
     pytest.mark.cuda,
@@ -121,8 +121,8 @@ def no_tf32():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_full_pipeline_on_cuda_equals_cpu_float32(tmp_path, precision, no_tf32):
-    from extract.runner import run
-    from extract.spec import JobSpec
+    from extract.job.runner import run
+    from extract.job.spec import JobSpec
 
     layers = ["layer1", "layer3", "layer4"]
     out = tmp_path / f"{precision}.zarr"

@@ -55,8 +55,8 @@ def test_nvjpeg_on_the_gpu_matches_the_cpu_path():
 
 
 def test_nvjpeg_job_matches_the_pil_job(tmp_path):
-    from extract.runner import run
-    from extract.spec import JobSpec
+    from extract.job.runner import run
+    from extract.job.spec import JobSpec
 
     write_shards(tmp_path / "shards", [10, 7])
     stores = {}

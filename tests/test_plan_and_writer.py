@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from extract.plan import ChunkBatchSampler, Plan, assign, chunk_segments, default_chunk_size
-from extract.staging import HostStaging
-from extract.store import FeatureStore
-from extract.writer import ChunkWriter, WriterError
+from extract.capture.staging import HostStaging
+from extract.job.plan import ChunkBatchSampler, Plan, assign, chunk_segments, default_chunk_size
+from extract.store.store import FeatureStore
+from extract.store.writer import ChunkWriter, WriterError
 
 
 @pytest.mark.parametrize("num_samples", [1, 2, 7, 16, 17, 33, 100])
@@ -154,7 +154,7 @@ def test_writer_error_stops_the_run_and_marks_nothing_done(tmp_path, monkeypatch
 
 def test_a_launcher_world_the_state_does_not_see_is_refused(monkeypatch):
     """WORLD_SIZE=3 from the launcher but a one-process state: every process would write everything."""
-    import extract.dist
+    import extract.job.dist
     from extract.errors import ExtractError
 
     class OneProcess:
@@ -163,9 +163,9 @@ def test_a_launcher_world_the_state_does_not_see_is_refused(monkeypatch):
         def __init__(self, **kwargs):
             pass
 
-    monkeypatch.setattr(extract.dist, "PartialState", OneProcess)
+    monkeypatch.setattr(extract.job.dist, "PartialState", OneProcess)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ExtractError, match="started 3 processes but this one sees a world of 1"):
-        extract.dist.process_state()
+        extract.job.dist.process_state()
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert extract.dist.process_state().num_processes == 1
+    assert extract.job.dist.process_state().num_processes == 1

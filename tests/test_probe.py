@@ -12,9 +12,9 @@ from conftest import ROOT, TINY
 from stores import array_store
 
 from extract import ExtractError, open_features
-from extract.knn import knn_predict
-from extract.probe import main, probe, probe_layers, split
-from extract.samples import Samples, labelled_rows
+from extract.analysis.knn import knn_predict
+from extract.analysis.probe import main, probe, probe_layers, split
+from extract.analysis.samples import Samples, labelled_rows
 
 
 def test_probe_learns_synthetic_classes(cli, capsys, tmp_path):
@@ -57,7 +57,7 @@ QUIET = {"log": lambda line: None}
 @pytest.fixture(scope="module")
 def r18_store(tmp_path_factory):
     """resnet18 layer3 as full (256, 2, 2) maps and layer4 pooled, 96 synthetic images in 6 chunks."""
-    from extract.cli import main as extract_main
+    from extract.cli.extract import main as extract_main
 
     out = tmp_path_factory.mktemp("knn") / "train.zarr"
     assert extract_main([
@@ -70,7 +70,7 @@ def r18_store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def folder_store(tmp_path_factory, png_tree):
     """The same model over an ImageFolder: another store with the same layers (a 'val' set)."""
-    from extract.cli import main as extract_main
+    from extract.cli.extract import main as extract_main
 
     out = tmp_path_factory.mktemp("knn") / "test.zarr"
     assert extract_main([
@@ -141,7 +141,7 @@ def test_knn_equals_brute_force_across_train_and_test_stores(r18_store, folder_s
 
 
 def test_layer_globs_and_unknown_layers(tmp_path, capsys):
-    from extract.cli import main as extract_main
+    from extract.cli.extract import main as extract_main
 
     out = tmp_path / "vit.zarr"
     assert extract_main(["--model", f"{TINY}:tiny_vit", "--layers", "encoder.layers.*", "--data", "synthetic:40",
@@ -198,7 +198,7 @@ def test_minibatch_probe_matches_lbfgs_and_is_deterministic(tmp_path):
 
 
 def test_streaming_standardizer_equals_full_statistics(tmp_path):
-    from extract.linear import streaming_standardizer
+    from extract.analysis.linear import streaming_standardizer
 
     x, y = gaussian_classes(1000, dim=8)
     store = array_store(tmp_path / "s.zarr", {"feat": x}, y, chunk_size=64)
@@ -214,7 +214,7 @@ def test_streaming_standardizer_equals_full_statistics(tmp_path):
 # peak of the pytest process it was forked from.
 PEAK_RSS = """
 import sys
-from extract.probe import main
+from extract.analysis.probe import main
 code = main(sys.argv[1:])
 print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))  # KiB
 sys.exit(code)

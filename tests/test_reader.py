@@ -11,7 +11,7 @@ from conftest import TINY
 from torch.utils.data import DataLoader
 
 from extract import ChunkShuffleSampler, ExtractError, FeatureDataset, open_features
-from extract.cli import main
+from extract.cli.extract import main
 
 N, CHUNK = 40, 8  # K = 5 chunks
 

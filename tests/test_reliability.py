@@ -20,10 +20,10 @@ import torch
 import zarr
 from conftest import ROOT, TINY
 
-from extract.lock import lock_path
-from extract.reader import open_features
-from extract.store import FeatureStore
-from extract.verify import main as verify_main
+from extract.read.features import open_features
+from extract.store.lock import lock_path
+from extract.store.store import FeatureStore
+from extract.store.verify import main as verify_main
 
 TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
             "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
@@ -51,7 +51,7 @@ def fork_start(args, before=None, stderr=os.devnull, own_group=False) -> int:
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the child exits with os._exit
             if before is not None:
                 before()
-            from extract.cli import main
+            from extract.cli.extract import main
 
             code = main([str(a) for a in args])
             sys.stderr.flush()
@@ -533,7 +533,7 @@ def test_a_store_on_a_read_only_mount(tmp_path, reference, cli, monkeypatch, sta
     "already complete", an unfinished one is refused as not writable, untouched either way."""
     import errno
 
-    import extract.lock
+    import extract.store.lock
 
     out = tmp_path / "ro.zarr"
     shutil.copytree(reference, out)
@@ -543,7 +543,7 @@ def test_a_store_on_a_read_only_mount(tmp_path, reference, cli, monkeypatch, sta
     def read_only(path, record):
         raise OSError(errno.EROFS, "Read-only file system", str(path))
 
-    monkeypatch.setattr(extract.lock, "_create", read_only)
+    monkeypatch.setattr(extract.store.lock, "_create", read_only)
     code, _, err = cli(*TINY_JOB, "--out", out)
     if status == "complete":
         assert code == 0 and "already complete" in err
@@ -629,7 +629,7 @@ def test_disk_full_during_creation_is_one_line_and_leaves_nothing(tmp_path, cli,
 def test_a_sigterm_echoed_by_the_launcher_is_one_request_a_second_kind_stops_at_once():
     """SLURM signals every process of the step and accelerate's launcher forwards it to its ranks: one
     preemption reaches a rank twice, and must still stop it after the batch."""
-    from extract.interrupt import Interrupted, StopRequests
+    from extract.job.interrupt import Interrupted, StopRequests
 
     with StopRequests() as stop:
         stop.defer()

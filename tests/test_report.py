@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from extract import figures, open_features
-from extract.report import main
+from extract.analysis.report import main
 
 IMAGES = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" width="(\d+)" height="(\d+)" alt="([^"]*)"')
 
@@ -30,7 +30,7 @@ def pixels(inches):
 
 @pytest.fixture(scope="module")
 def folder_store(tmp_path_factory, png_tree):
-    from extract.cli import main as extract_main
+    from extract.cli.extract import main as extract_main
 
     root, files = png_tree
     out = tmp_path_factory.mktemp("report") / "folder.zarr"
@@ -86,7 +86,7 @@ def test_report_without_image_files_skips_thumbnails_with_a_note(cli, tmp_path, 
 
 
 def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_store, tmp_path, capsys, monkeypatch):
-    from extract.probe import main as probe_main
+    from extract.analysis.probe import main as probe_main
 
     accuracies = tmp_path / "knn.json"
     assert probe_main([str(folder_store), "--method", "knn", "--json", str(accuracies)]) == 0

@@ -15,8 +15,8 @@ import zarr
 from conftest import ROOT, TINY, make_png_tree, run_cli
 from reference import load_images, reference, resnet18
 
-from extract.lock import lock_path
-from extract.store import FeatureStore
+from extract.store.lock import lock_path
+from extract.store.store import FeatureStore
 
 SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
          "--num-workers", "0", "--dtype", "float32"]  # fmt: skip

@@ -108,7 +108,7 @@ def _reference(out: Path, *args: str) -> Path:
     """The same job in one process, in this one (torch is imported already)."""
     import torch
 
-    from extract.cli import main
+    from extract.cli.extract import main
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as fast, and much faster on a loaded machine
@@ -153,10 +153,10 @@ def _stopped_cleanly(out: Path, reference: Path) -> int:
 
 
 def _lock(out: Path) -> Path:
-    import extract.lock
+    import extract.store.lock
 
     # The reliability work moves the lock beside the store (lock_path); until then it is inside.
-    return extract.lock.lock_path(out) if hasattr(extract.lock, "lock_path") else out / extract.lock.LOCK_NAME
+    return extract.store.lock.lock_path(out) if hasattr(extract.store.lock, "lock_path") else out / extract.store.lock.LOCK_NAME
 
 
 def _seconds(clock: str) -> int:

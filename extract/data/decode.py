@@ -13,7 +13,7 @@ import torch
 from PIL import Image, ImageOps
 
 from ..errors import ExtractError
-from ..spec import DECODES
+from ..job.spec import DECODES
 
 RawImage = bytes | Image.Image | torch.Tensor
 Transform = Callable[[Any], torch.Tensor]

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.layers import LayerRef
 from ..errors import ExtractError
-from ..layers import LayerRef
 
 Transform = Callable[[Any], torch.Tensor]
 

@@ -14,8 +14,8 @@ from PIL import Image
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoModel
 
+from ..capture.layers import LayerRef
 from ..errors import ExtractError
-from ..layers import LayerRef
 from .base import LoadedModel, ModelRequest, download_failed
 
 

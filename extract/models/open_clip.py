@@ -11,8 +11,8 @@ from typing import Any
 
 import open_clip
 
+from ..capture.layers import closest
 from ..errors import ExtractError
-from ..layers import closest
 from .base import LoadedModel, ModelRequest, download_failed
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import timm
 from timm.data import create_transform, resolve_model_data_config
 
+from ..capture.layers import closest
 from ..errors import ExtractError
-from ..layers import closest
 from .base import LoadedModel, ModelRequest, download_failed
 
 

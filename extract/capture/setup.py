@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from .capture import Capture
-from .errors import ExtractError
+from ..errors import ExtractError
+from ..models import LoadedModel
+from .hooks import Capture
 from .layers import LayerRef, model_failed, shape_text
 from .layout import LAYOUTS, infer_layout, selected_shape, trace
-from .models import LoadedModel
 from .pooling import Pool, PoolShapeError, make_pool, per_layer
 
 

@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from .errors import ExtractError
+from ..errors import ExtractError
+from ..store.lock import LockUnavailable, StoreLock
+from ..store.store import FeatureStore, check_out_path, check_writable, sweep_scratch
 from .interrupt import Interrupted
-from .lock import LockUnavailable, StoreLock
-from .store import FeatureStore, check_out_path, check_writable, sweep_scratch
 
 Log = Callable[[str], None]
 T = TypeVar("T")

@@ -21,22 +21,22 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .capture import Capture, Edit
-from .data import DataOptions, Source, build_dataset, keep_index, kept_index
-from .data.gpu_decode import GpuDecoder, collate_encoded
+from ..capture.hooks import Capture, Edit
+from ..capture.layers import LayerRef, list_layers, resolve_layers
+from ..capture.setup import LayerSetup, setup_layers
+from ..capture.staging import HostStaging
+from ..data import DataOptions, Source, build_dataset, keep_index, kept_index
+from ..data.gpu_decode import GpuDecoder, collate_encoded
+from ..errors import ExtractError
+from ..models import LoadedModel, build_model, library_versions
+from ..store.store import FeatureStore, codecs
+from ..store.writer import ChunkWriter
 from .dist import process_state
-from .errors import ExtractError
 from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
-from .layers import LayerRef, list_layers, resolve_layers
 from .lifecycle import StoreLife
-from .models import LoadedModel, build_model, library_versions
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
 from .progress import JobProgress
-from .shapes import LayerSetup, setup_layers
 from .spec import JobSpec, fingerprint
-from .staging import HostStaging
-from .store import FeatureStore, codecs
-from .writer import ChunkWriter
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOP_LEVEL = ("model", "weights", "preprocessing", "num_samples", "chunk_size", "dtype", "precision", "pool")

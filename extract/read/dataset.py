@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from .reader import Features, open_features
+from .features import Features, open_features
 
 Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import ExtractError
+from ..errors import ExtractError
 
 if TYPE_CHECKING:
-    from .compare import CKA
+    from .cka import CKA
 
 DPI = 100
 

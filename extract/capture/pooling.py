@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .errors import ExtractError
+from ..errors import ExtractError
 from .layers import LayerRef, matches_glob, shape_text
 
 Pool = Callable[[torch.Tensor], torch.Tensor]

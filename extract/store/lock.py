@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ExtractError
+from ..errors import ExtractError
 
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0

@@ -16,11 +16,11 @@ import torch
 import zarr
 from zarr.core.buffer.cpu import NDBuffer
 
-from .errors import ExtractError
-from .layers import closest
-from .plan import Plan
-from .pooling import PoolShapeError, make_pool
-from .store import FeatureStore
+from ..capture.layers import closest
+from ..capture.pooling import PoolShapeError, make_pool
+from ..errors import ExtractError
+from ..job.plan import Plan
+from ..store.store import FeatureStore
 
 Index = slice | Sequence[int] | np.ndarray | None
 T = TypeVar("T")

@@ -8,21 +8,15 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from .errors import ExtractError
-from .interrupt import Interrupted
-from .pooling import POOL_CHOICES
-from .spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
-from .store import COMPRESSORS
-from .writer import WriterError
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are ``ExtractError``s: one line, exit status 2, no usage dump."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ExtractError(f"{message} (see --help)")
+from ..capture.pooling import POOL_CHOICES
+from ..errors import ExtractError
+from ..job.interrupt import Interrupted
+from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
+from ..store.store import COMPRESSORS
+from ..store.writer import WriterError
+from .base import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +147,7 @@ def parse_spec(argv: Sequence[str]) -> tuple[JobSpec, bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .runner import print_layers, run
+    from ..job.runner import print_layers, run
 
     try:
         spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)

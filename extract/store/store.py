@@ -22,7 +22,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from .errors import ExtractError
+from ..errors import ExtractError
 from .lock import pid_alive
 
 FORMAT = "extract-features"

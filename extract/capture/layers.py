@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ExtractError
+from ..errors import ExtractError
 from .layout import infer_layout, selected_shape, trace
 
 

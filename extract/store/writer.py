@@ -11,8 +11,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .plan import Plan, chunk_segments
-from .staging import HostStaging, Slot
+from ..capture.staging import HostStaging, Slot
+from ..job.plan import Plan, chunk_segments
 from .store import FeatureStore
 
 

@@ -10,9 +10,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from .errors import ExtractError
-from .layers import closest, matches_glob
-from .reader import Features
+from ..capture.layers import closest, matches_glob
+from ..errors import ExtractError
+from ..read.features import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
 BLOCK_BYTES = 16 * 2**20

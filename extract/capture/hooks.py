@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ExtractError
+from ..errors import ExtractError
 from .layers import LayerRef, closest, resolve_layers, select
 from .pooling import Pool, PoolShapeError
 

@@ -9,7 +9,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
-from .errors import ExtractError
+from ..errors import ExtractError
 
 
 def process_state(timeout: float = 1800.0) -> PartialState:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .feature_dataset import ChunkShuffleSampler, FeatureDataset
+from ..read.dataset import ChunkShuffleSampler, FeatureDataset
 from .samples import Samples
 
 DEFAULT_LRS = (0.01, 0.03, 0.1, 0.3)

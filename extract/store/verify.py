@@ -1,0 +1,101 @@
+"""Check a store's chunks: ``python -m extract.verify STORE [--repair]``.
+
+Every chunk marked done must have, in every per-sample array (features, labels, valid), an object that
+is present, decodes, and matches its crc32c checksum. ``--repair`` clears ``done`` for the damaged
+chunks (and the store's "complete" status), so that rerunning the job's command recomputes exactly
+those. One summary line; exit status 0 when clean, 1 when damaged, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+from ..errors import ExtractError
+from ..job.plan import Plan
+from .lock import StoreLock
+from .store import FeatureStore
+
+
+@dataclass
+class Report:
+    path: Path
+    checked: int  # done chunks examined
+    damaged: dict[int, list[str]] = field(default_factory=dict)  # chunk -> "array: problem"
+
+    def line(self, repaired: bool) -> str:
+        if not self.damaged:
+            return f"extract.verify: {self.path}: all {self.checked} done chunks are present and match their checksums"
+        shown = "; ".join(f"chunk {k}: {', '.join(problems)}" for k, problems in sorted(self.damaged.items())[:3])
+        more = f"; and {len(self.damaged) - 3} more" if len(self.damaged) > 3 else ""
+        then = (
+            "cleared their done flags: rerun the job's command to recompute them"
+            if repaired
+            else "run with --repair, then rerun the job's command"
+        )
+        return f"extract.verify: {self.path}: {len(self.damaged)} of {self.checked} done chunks damaged ({shown}{more}); {then}"
+
+
+def _problem(store: FeatureStore, array: zarr.Array, plan: Plan, chunk: int) -> str | None:
+    if not store.object_path(array, chunk).is_file():
+        return "missing"
+    try:
+        array[slice(*plan.bounds(chunk))]
+    except Exception as e:  # noqa: BLE001 - any codec error means the object is damaged
+        return f"does not decode ({type(e).__name__})"
+    return None
+
+
+def verify(store: FeatureStore) -> Report:
+    """Examine every done chunk of every per-sample array; a ``done`` object that itself fails its
+    checksum counts as damaged too (its chunk will be recomputed)."""
+    plan = Plan(store.attrs["num_samples"], store.attrs["chunk_size"])
+    done = store.done_flags()
+    stored_done = {k for k in range(plan.num_chunks) if store.object_path(store.array("done"), k).is_file()}
+    report = Report(store.path, len(stored_done))
+    for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
+        report.damaged.setdefault(k, []).append("done: does not decode")
+    chunks = np.flatnonzero(done).tolist()
+    work = [(name, array, k) for name, array in store.sample_arrays() for k in chunks]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="extract-verify") as pool:
+        problems = pool.map(lambda item: _problem(store, item[1], plan, item[2]), work)
+        for (name, _, k), problem in zip(work, problems, strict=True):
+            if problem is not None:
+                report.damaged.setdefault(k, []).append(f"{name} {problem}")
+    return report
+
+
+def repair(store: FeatureStore, report: Report) -> None:
+    store.clear_done(sorted(report.damaged))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m extract.verify", description=__doc__.splitlines()[0])
+    parser.add_argument("store", type=Path)
+    parser.add_argument("--repair", action="store_true", help="clear done for damaged chunks so a rerun redoes them")
+    args = parser.parse_args(argv)
+    try:
+        if args.repair:
+            with StoreLock(args.store):  # a job writing the store is refused, naming its holder
+                store = FeatureStore.open(args.store, mode="r+")
+                report = verify(store)
+                repair(store, report)
+        else:
+            report = verify(FeatureStore.open(args.store, mode="r"))
+    except ExtractError as e:
+        print(f"extract.verify: error: {e}", file=sys.stderr)
+        return 2
+    print(report.line(args.repair))
+    return 1 if report.damaged else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
