@@ -53,7 +53,7 @@ def free_port() -> int:
 def child(args: argparse.Namespace) -> None:
     """One rank: run the job until its loop would start, then report the seconds since run() and
     those spent building the dataset (listing) and creating the store."""
-    from extract import runner
+    from extract.job import runner
 
     entered = time.perf_counter()
     spent = {"dataset_s": 0.0, "dataset_cpu_s": 0.0, "create_s": 0.0, "create_cpu_s": 0.0}

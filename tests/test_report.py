@@ -8,7 +8,8 @@ import sys
 import pytest
 from PIL import Image
 
-from extract import figures, open_features
+from extract import open_features
+from extract.analysis import figures
 from extract.analysis.report import main
 
 IMAGES = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" width="(\d+)" height="(\d+)" alt="([^"]*)"')
