@@ -1,5 +1,39 @@
-"""The one error type the command line turns into a one-line message and exit status 2."""
+"""The errors ``extract`` raises: one base the command lines turn into one line and exit status 2, and
+typed subclasses that also derive from the builtin a Python user expects (zarr's ``errors.py`` does the
+same), so that callers catch types, not message strings."""
 
 
 class ExtractError(Exception):
     """Bad input or environment: the message names the culprit and the fix."""
+
+
+class LayerNotFoundError(ExtractError, KeyError):
+    """A layer name or glob that matches no module of the model, or no layer of a store."""
+
+    def __str__(self) -> str:  # KeyError's own str() would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreNotFoundError(ExtractError, FileNotFoundError):
+    """No store at the path given."""
+
+
+class SampleIndexError(ExtractError, IndexError):
+    """An index into a store's samples that is out of range or of the wrong shape."""
+
+
+class StoreBusyError(ExtractError):
+    """Another job holds the store's lock: wait for it, or stop it."""
+
+
+class StoreDamagedError(ExtractError):
+    """A store whose metadata or objects are damaged, edited or unfinished; the message says how to
+    repair it (``python -m extract.verify --repair``, a rerun, or ``--overwrite``)."""
+
+
+def rebuilt(kind: type[ExtractError], message: str) -> ExtractError:
+    """An error of ``kind`` with ``message``: a rank told of rank 0's error raises the same type."""
+    try:
+        return kind(message)
+    except TypeError:  # a subclass whose constructor takes other arguments
+        return ExtractError(message)

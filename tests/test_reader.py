@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 
 from extract import ChunkShuffleSampler, ExtractError, FeatureDataset, open_features
 from extract.cli.extract import main
+from extract.errors import LayerNotFoundError, SampleIndexError, StoreNotFoundError
 
 N, CHUNK = 40, 8  # K = 5 chunks
 
@@ -78,8 +79,11 @@ def test_load_any_index_equals_zarr(store, raw):
     stored = features.load("layer4", [1, 2], dtype=None, as_torch=True)
     assert isinstance(stored, torch.Tensor) and stored.dtype == torch.float16
     assert np.array_equal(stored.numpy(), raw["layer4"][[1, 2]])
-    with pytest.raises(ExtractError, match="out of range"):
+    with pytest.raises(IndexError, match="out of range") as error:
         features.load("layer3", [N])
+    assert isinstance(error.value, SampleIndexError)
+    with pytest.raises(IndexError, match="needs shape"):
+        features.load("layer3", np.ones(N + 1, bool))
 
 
 def test_load_pools_like_extraction(store, raw):
@@ -119,11 +123,16 @@ def test_sorted_index_reads_each_chunk_once(store, monkeypatch):
 
 
 def test_errors_name_the_problem(store, tmp_path):
-    with pytest.raises(ExtractError, match="has no layer 'layer5'; it has layer3, layer4"):
+    with pytest.raises(KeyError, match="has no layer 'layer5'; it has layer3, layer4") as error:
         open_features(store).load("layer5")
+    assert isinstance(error.value, LayerNotFoundError) and str(error.value).startswith(f"{store} has no layer")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ExtractError, match="not an extract store"):
+    with pytest.raises(ExtractError, match="not an extract store") as error:
         open_features(tmp_path / "empty")
+    assert not isinstance(error.value, FileNotFoundError)  # it is there, and it is something else
+    with pytest.raises(FileNotFoundError, match="not an extract store") as error:
+        open_features(tmp_path / "absent.zarr")
+    assert isinstance(error.value, StoreNotFoundError)
 
 
 def test_partial_store_refused_unless_asked(partial, raw):

@@ -20,6 +20,7 @@ import torch
 import zarr
 from conftest import ROOT, TINY
 
+from extract.errors import StoreDamagedError
 from extract.read.features import open_features
 from extract.store.lock import lock_path
 from extract.store.store import FeatureStore
@@ -370,7 +371,7 @@ def test_verify_finds_damage_the_reader_refuses_it_and_repair_recomputes(tmp_pat
 
     features = open_features(out)
     what = "layer 'heads.conv'" if array.startswith("features") else array
-    with pytest.raises(Exception, match=rf"{what}, chunk 5 \(samples 20-23\) {problem}") as error:
+    with pytest.raises(StoreDamagedError, match=rf"{what}, chunk 5 \(samples 20-23\) {problem}") as error:
         if array in ("labels", "valid", "keys"):
             getattr(features, array)
         else:
@@ -418,7 +419,7 @@ def test_edited_metadata_are_refused_on_open(tmp_path, reference, cli, edit, mes
     meta = json.loads((out / "zarr.json").read_text())
     edit(meta["attributes"])
     (out / "zarr.json").write_text(json.dumps(meta))
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(StoreDamagedError, match=message):
         open_features(out)
     code, _, err = cli(*TINY_JOB, "--out", out)
     assert code == 2 and message in one_line_error(err)
@@ -556,7 +557,7 @@ def test_a_store_still_being_created_is_an_error_not_a_keyerror(tmp_path):
     out = tmp_path / "half.zarr"
     zarr.open_group(out, mode="w", attributes={"format": "extract-features", "format_version": 2,
                                                "num_samples": 4, "chunk_size": 2, "layers": ["x"]})  # fmt: skip
-    with pytest.raises(Exception, match="has no array 'features/x'"):
+    with pytest.raises(StoreDamagedError, match="has no array 'features/x'"):
         open_features(out, allow_partial=True)
 
 

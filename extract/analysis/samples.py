@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..capture.layers import closest, matches_glob
-from ..errors import ExtractError
+from ..errors import LayerNotFoundError
 from ..read.features import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
@@ -30,7 +30,7 @@ def select_layers(stored: Sequence[str], patterns: Sequence[str] | None, *, stor
         else:
             found = [pattern] if pattern in stored else []
         if not found:
-            raise ExtractError(
+            raise LayerNotFoundError(
                 f"layer '{pattern}' is not in {store}; closest: {closest(pattern, list(stored))} "
                 f"(it has {len(stored)} layers: {', '.join(stored[:8])}{', ...' if len(stored) > 8 else ''})"
             )

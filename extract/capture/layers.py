@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ExtractError
+from ..errors import ExtractError, LayerNotFoundError
 from .layout import infer_layout, selected_shape, trace
 
 
@@ -89,7 +89,7 @@ def resolve_layers(
             found = [module_pattern] if module_pattern in names else []
         if not found:
             candidates = [*names, *aliases]
-            raise ExtractError(
+            raise LayerNotFoundError(
                 f"layer '{pattern}' matches no module; closest: {closest(module_pattern, candidates)} "
                 "(run with --list-layers for all names)"
             )

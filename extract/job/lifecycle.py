@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError
+from ..errors import ExtractError, rebuilt
 from ..store.lock import LockUnavailable, StoreLock
 from ..store.store import FeatureStore, check_out_path, check_writable, sweep_scratch
 from .interrupt import Interrupted
@@ -44,19 +44,20 @@ class StoreLife:
 
     def _on_main(self, step: Callable[[], T]) -> T:
         """Run ``step`` on rank 0 and give its result, or its ``ExtractError``, to every rank."""
-        outcome: tuple[T | None, str | None] = (None, None)
+        outcome: tuple[T | None, tuple[type[ExtractError], str] | None] = (None, None)
+        failure: ExtractError | None = None
         if self.main:
             try:
                 outcome = (step(), None)
             except ExtractError as e:
-                outcome = (None, str(e))
-        if self.state.num_processes > 1:
+                failure, outcome = e, (None, (type(e), str(e)))
+        if self.state.num_processes > 1:  # the type travels too: every rank raises what rank 0 raised
             box = [outcome]
             broadcast_object_list(box, from_process=0)
             outcome = box[0]
         value, error = outcome
         if error is not None:
-            raise ExtractError(error)
+            raise failure or rebuilt(*error)
         return value  # type: ignore[return-value]
 
     # claim -----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from zarr.core.buffer.cpu import NDBuffer
 
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
-from ..errors import ExtractError
+from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
 from ..job.plan import Plan
 from ..store.store import FeatureStore
 
@@ -55,15 +55,15 @@ def _normalize(index: Index, num_samples: int) -> _Rows:
     rows = np.asarray(index)
     if rows.dtype == bool:
         if rows.shape != (num_samples,):
-            raise ExtractError(f"a boolean index needs shape ({num_samples},), got {rows.shape}")
+            raise SampleIndexError(f"a boolean index needs shape ({num_samples},), got {rows.shape}")
         rows = np.flatnonzero(rows)
     if rows.ndim != 1 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
-        raise ExtractError(
+        raise SampleIndexError(
             f"index must be None, a slice, or a 1-D list/array of ints or bools; got {rows.dtype}{list(rows.shape)}"
         )
     rows = rows.astype(np.int64)
     if rows.size and (rows.min() < -num_samples or rows.max() >= num_samples):
-        raise ExtractError(f"index out of range for {num_samples} samples: min {rows.min()}, max {rows.max()}")
+        raise SampleIndexError(f"index out of range for {num_samples} samples: min {rows.min()}, max {rows.max()}")
     rows = np.where(rows < 0, rows + num_samples, rows)
     if rows.size == 0 or np.all(np.diff(rows) > 0):
         return _Rows(0, 0, rows)
@@ -229,9 +229,9 @@ class Features:
             first = (str(e).splitlines() or [type(e).__name__])[0]
             raise self._damaged(what, bad, f"fails its check ({type(e).__name__}: {first})") from None
 
-    def _damaged(self, what: str, chunk: int, problem: str) -> ExtractError:
+    def _damaged(self, what: str, chunk: int, problem: str) -> StoreDamagedError:
         start, stop = Plan(self.num_samples, self.chunk_size).bounds(chunk)
-        return ExtractError(
+        return StoreDamagedError(
             f"{self.path}: {what}, chunk {chunk} (samples {start}-{stop - 1}) {problem}; run "
             f"`python -m extract.verify {self.path} --repair`, then the job's command again to recompute it"
         )
@@ -242,7 +242,7 @@ class Features:
     def array(self, layer: str) -> zarr.Array:
         """The layer's lazy zarr array, (N, *shape); unwritten samples read as NaN."""
         if layer not in self.attrs["layers"]:
-            raise ExtractError(
+            raise LayerNotFoundError(
                 f"{self.path} has no layer '{layer}'; it has {', '.join(self.attrs['layers'])} "
                 f"(closest: {closest(layer, list(self.attrs['layers']))})"
             )

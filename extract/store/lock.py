@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ExtractError
+from ..errors import ExtractError, StoreBusyError
 
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0
@@ -78,10 +78,12 @@ def _stale(holder: dict[str, Any], stale_after: float) -> bool:
     return False
 
 
-def _busy(store: Path, holder: dict[str, Any]) -> ExtractError:
+def _busy(store: Path, holder: dict[str, Any]) -> StoreBusyError:
     if "pid" not in holder:
-        return ExtractError(f"--out {store} is being claimed by another job that is starting; wait for it, then rerun")
-    return ExtractError(
+        return StoreBusyError(
+            f"--out {store} is being claimed by another job that is starting; wait for it, then rerun"
+        )
+    return StoreBusyError(
         f"--out {store} is being written by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
         f"since {holder.get('started')}); wait for it to finish or stop it, then rerun"
     )
@@ -145,7 +147,7 @@ class StoreLock:
                     f"--out {self.store}: cannot create the lock {self.path} ({e.strerror})"
                 ) from None
             raise ExtractError(f"--out {self.store}: cannot create the lock {self.path} ({e.strerror})") from None
-        raise ExtractError(f"--out {self.store}: could not take the lock {self.path} from a stale holder; rerun")
+        raise StoreBusyError(f"--out {self.store}: could not take the lock {self.path} from a stale holder; rerun")
 
     def _take_over_if_stale(self) -> None:
         holder = _holder(self.path)

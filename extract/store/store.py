@@ -22,7 +22,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from ..errors import ExtractError
+from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
 from .lock import pid_alive
 
 FORMAT = "extract-features"
@@ -232,10 +232,10 @@ class FeatureStore:
         ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed."""
         attrs = _store_attrs(path)
         if attrs is None:
-            raise ExtractError(f"{path} is not an extract store")
+            raise (ExtractError if path.exists() else StoreNotFoundError)(f"{path} is not an extract store")
         version = attrs.get("format_version")
         if version not in KNOWN_FORMAT_VERSIONS:
-            raise ExtractError(
+            raise StoreDamagedError(
                 f"{path} has format_version {version!r}; this extract knows {', '.join(map(str, KNOWN_FORMAT_VERSIONS))} "
                 "(a newer extract wrote it, or its zarr.json was edited)"
             )
@@ -246,7 +246,7 @@ class FeatureStore:
     def _validate(self, attrs: dict[str, Any]) -> None:
         n, c = attrs.get("num_samples"), attrs.get("chunk_size")
         if not (type(n) is int and type(c) is int and n >= 1 and c >= 1):
-            raise ExtractError(f"{self.path}: num_samples {n!r} and chunk_size {c!r} must be positive integers")
+            raise StoreDamagedError(f"{self.path}: num_samples {n!r} and chunk_size {c!r} must be positive integers")
         num_chunks = -(-n // c)
         expected = {f"features/{layer}": None for layer in attrs.get("layers", [])}
         expected.update(labels=None, valid=None)
@@ -254,13 +254,13 @@ class FeatureStore:
             try:
                 array = self.array(name)
             except KeyError:
-                raise ExtractError(
+                raise StoreDamagedError(
                     f"{self.path} has no array '{name}': it is damaged or not finished being created; "
                     "rerun the job with --overwrite"
                 ) from None
             rows, chunk = (num_chunks, 1) if name == "done" else (n, c)
             if array.shape[:1] != (rows,) or array.chunks[:1] != (chunk,):
-                raise ExtractError(
+                raise StoreDamagedError(
                     f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
                     f"but the metadata say num_samples {n} and chunk_size {c}; the store was edited or damaged"
                 )

@@ -1,0 +1,56 @@
+"""Errors have types a Python user can catch: each also derives from the builtin one expects, and the
+command line still prints its message on one line."""
+
+import os
+import socket
+
+import pytest
+import torch.nn as nn
+
+from extract import ExtractError, resolve_layers
+from extract.errors import (
+    LayerNotFoundError,
+    SampleIndexError,
+    StoreBusyError,
+    StoreDamagedError,
+    StoreNotFoundError,
+    rebuilt,
+)
+from extract.store.lock import StoreLock
+
+
+@pytest.mark.parametrize(
+    ("kind", "builtin"),
+    [(LayerNotFoundError, KeyError), (StoreNotFoundError, FileNotFoundError), (SampleIndexError, IndexError)],
+)
+def test_typed_errors_are_also_the_builtin_and_keep_their_message(kind, builtin):
+    error = kind("layer 'x' matches no module; closest: y")
+    assert isinstance(error, ExtractError) and isinstance(error, builtin)
+    assert str(error) == "layer 'x' matches no module; closest: y"  # KeyError would have quoted it
+
+
+def test_an_unknown_layer_is_a_key_error():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(KeyError, match="layer 'fc' matches no module; closest: ") as error:
+        resolve_layers(model, ["fc"])
+    assert isinstance(error.value, LayerNotFoundError)
+
+
+def test_a_busy_store_and_a_damaged_one_have_their_own_types(tmp_path):
+    out = tmp_path / "held.zarr"
+    with StoreLock(out), pytest.raises(StoreBusyError, match=f"pid {os.getpid()}") as busy:
+        StoreLock(out).__enter__()
+    assert socket.gethostname() in str(busy.value) and not isinstance(busy.value, StoreDamagedError)
+    out.mkdir()
+    (out / "zarr.json").write_text(
+        '{"zarr_format": 3, "node_type": "group", "attributes": {"format": "extract-features", "format_version": 7}}'
+    )
+    from extract import open_features
+
+    with pytest.raises(StoreDamagedError, match="format_version 7"):
+        open_features(out)
+
+
+def test_the_type_survives_being_told_to_other_ranks():
+    assert type(rebuilt(StoreBusyError, "held")) is StoreBusyError and str(rebuilt(StoreBusyError, "held")) == "held"
+    assert type(rebuilt(LayerNotFoundError, "nope")) is LayerNotFoundError
