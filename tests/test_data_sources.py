@@ -4,6 +4,7 @@ bad data; the listing's corner cases."""
 
 import io
 import os
+import sys
 import tarfile
 
 import numpy as np
@@ -17,6 +18,7 @@ from reference import load_images, reference, resnet18
 from extract import open_features
 from extract.data import build_dataset
 from extract.data.shards import expand_braces
+from extract.errors import ExtractError
 
 SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
          "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
@@ -208,6 +210,7 @@ def test_imagefolder_and_filelist_keys_and_classes(cli, tmp_path, png_tree):
     features = open_features(out)
     assert features.keys.tolist() == [str(f.relative_to(root)) for f, _ in files]
     assert features.classes == ["cat", "dog"]
+    assert features.attrs["image_root"] == str(root.resolve())  # where the keys are, for the report
     listing = tmp_path / "list.txt"
     listing.write_text(
         "".join(f"{f}\t{label}\n" for f, label in files[:3]) + f"{os.path.relpath(files[3][0], tmp_path)}\n"
@@ -217,6 +220,7 @@ def test_imagefolder_and_filelist_keys_and_classes(cli, tmp_path, png_tree):
     features = open_features(out)
     assert features.keys.tolist() == [str(f) for f, _ in files[:3]] + [os.path.relpath(files[3][0], tmp_path)]
     assert features.labels.tolist() == [0, 0, 0, -1] and features.classes is None
+    assert features.attrs["image_root"] == str(tmp_path.resolve())
     xr = pytest.importorskip("xarray")
     assert xr.open_zarr(out, consolidated=False)["keys"].values.tolist() == features.keys.tolist()
 
@@ -225,12 +229,45 @@ def test_synthetic_and_torchvision_keys(cli, tmp_path):
     out = tmp_path / "syn.zarr"
     assert cli(*SMALL, "--data", "synthetic:3", "--out", out)[0] == 0
     assert open_features(out).keys.tolist() == ["synthetic/0", "synthetic/1", "synthetic/2"]
+    assert "image_root" not in open_features(out).attrs  # its keys are no files
     transform = lambda image: image  # noqa: E731 - the listing is what is tested
     assert build_dataset("synthetic:3", transform, 32).keys() == ["synthetic/0", "synthetic/1", "synthetic/2"]
     fake = build_dataset("torchvision:FakeData:/tmp", transform, 32)  # used to be a traceback
     assert len(fake) == 1000 and fake.keys()[:2] == ["FakeData/0", "FakeData/1"]
     image, label, index, error = fake[0]
     assert error == "" and 0 <= label < 10 and index == 0
+
+
+def test_a_source_says_where_its_images_live_and_what_to_note(tmp_path, monkeypatch):
+    make_png_tree(tmp_path / "tree", {"cat": 1})
+    (tmp_path / "tree" / "cat" / "list.txt").write_text("000.png\n")
+    monkeypatch.chdir(tmp_path)  # relative specs: the root is recorded absolute
+    transform = lambda image: image  # noqa: E731 - the listing is what is tested
+    assert build_dataset("imagefolder:tree", transform, 32).image_root == tmp_path.resolve() / "tree"
+    assert build_dataset("filelist:tree/cat/list.txt", transform, 32).image_root == tmp_path.resolve() / "tree/cat"
+    synthetic = build_dataset("synthetic:2", transform, 32)
+    assert synthetic.image_root is None and synthetic.notice == "SYNTHETIC images, not a real dataset"
+    assert build_dataset("imagefolder:tree", transform, 32).notice is None
+
+
+def test_unknown_data_lists_every_declared_kind():
+    with pytest.raises(ExtractError) as error:
+        build_dataset("nowhere:1", lambda image: image, 32)
+    assert str(error.value) == (
+        "unknown --data 'nowhere:1'; use one of synthetic:N, imagefolder:PATH, filelist:FILE, "
+        "torchvision:NAME:ROOT[:split], wds:PATTERN_OR_DIR, parquet:GLOB, hf:PATH[:split]"
+    )
+
+
+@pytest.mark.parametrize(("spec", "library", "extra"), [("parquet:x/*.parquet", "pyarrow", "parquet"),
+                                                        ("hf:x", "datasets", "datasets")])  # fmt: skip
+def test_a_missing_library_of_a_data_source_names_its_extra(monkeypatch, spec, library, extra):
+    monkeypatch.setitem(sys.modules, library, None)  # import now raises ImportError
+    with pytest.raises(ExtractError) as error:
+        build_dataset(spec, lambda image: image, 32)
+    assert str(error.value) == (
+        f"--data {spec} needs the '{library}' package; install it with pip install 'extract[{extra}]'"
+    )
 
 
 def test_a_symlink_loop_is_walked_once(cli, tmp_path):

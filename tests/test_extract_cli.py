@@ -291,7 +291,7 @@ def test_summary_and_attributes(cli, tmp_path):
         out, "--image-size", "32", "--num-workers", "0", "--chunk-size", "4",
     )  # fmt: skip
     assert code == 0, err
-    assert "SYNTHETIC" in err
+    assert "extract: NOTE --data synthetic:9: SYNTHETIC images, not a real dataset\n" in err
     summary = [line for line in err.splitlines() if "samples in" in line][-1]
     assert "9 samples" in summary and "img/s" in summary and "MiB stored" in summary and "compression" in summary
     attrs = json.loads((out / "zarr.json").read_text())["attributes"]

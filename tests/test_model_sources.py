@@ -2,6 +2,9 @@
 preprocessing + forward on real photographs; layer aliases, layouts and per-layer pooling; offline
 errors. Everything is built offline with random or self-made weights."""
 
+import logging
+import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import TINY, run_cli
+from conftest import ROOT, TINY, run_cli
 from PIL import Image
 
 timm = pytest.importorskip("timm")
@@ -341,6 +344,140 @@ def test_missing_library_names_the_extra(cli, monkeypatch, model, extra):
     monkeypatch.setitem(sys.modules, library, None)  # import now raises ImportError
     code, _, err = cli("--model", model, "--list-layers")
     assert code == 2 and f"pip install 'extract[{extra}]'" in err and len(err.strip().splitlines()) == 1
+
+
+# --- declarations: dispatch, messages and kinds come from each source's ModelSource -------------
+
+
+def test_declaring_the_sources_imports_no_optional_library():
+    code = (
+        "import sys, extract.models.registry, extract.data.registry, extract.cli.extract; "
+        "print(sorted({'timm', 'transformers', 'open_clip', 'pyarrow', 'datasets'} & set(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_each_declared_prefix_dispatches_and_names_its_example():
+    from extract.errors import ExtractError
+    from extract.models import registry
+
+    prefixed = [source for source in registry.SOURCES if source.prefixed]
+    assert [source.name for source in prefixed] == ["timm", "hf", "open_clip"]
+    for source in prefixed:
+        assert registry.resolve(source.example)[0] is source  # the example names its own source
+        with pytest.raises(ExtractError) as error:
+            registry.resolve(f"{source.name}:")
+        assert (
+            str(error.value) == f"--model {source.name}:: name the model after '{source.name}:', e.g. {source.example}"
+        )
+    assert registry.resolve("resnet50") == (registry.torchvision.SOURCE, "resnet50")
+    assert registry.resolve("pkg.module:make") == (registry.factory.SOURCE, "pkg.module:make")
+    assert registry.model_kinds() == (
+        "torchvision name, timm:NAME[.TAG], hf:ID_OR_DIR, open_clip:ARCH[:TAG_OR_FILE], "
+        "or pkg.module:factory / file.py:factory"
+    )
+
+
+# --- no process-wide side effects: hub settings and loggers ----------------------------------
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """As on a machine without network: no host name resolves, and no proxy would resolve it."""
+
+    def unresolvable(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def hub_calls(monkeypatch, owner, attribute: str, cache: Path) -> list[tuple[bool, bool]]:
+    """Spy on ``owner.attribute`` (a hub download or a from_pretrained): per call, the hub's own
+    offline setting at that moment and whether the call asked for the cache only. Reads ``cache``."""
+    from huggingface_hub import constants
+
+    calls = []
+    real = getattr(owner, attribute)
+
+    def spy(*args, **kwargs):
+        calls.append((constants.HF_HUB_OFFLINE, kwargs.get("local_files_only", False)))
+        return real(*args, **{**kwargs, "cache_dir": str(cache)})
+
+    monkeypatch.setattr(owner, attribute, spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("model", "what"),
+    [
+        ("timm:resnet18", "timm's pretrained weights for resnet18"),
+        ("open_clip:ViT-B-32:laion2b_s34b_b79k", "OpenCLIP weights ViT-B-32:laion2b_s34b_b79k"),
+        ("hf:some-org/not-cached", "the image processor of hf:some-org/not-cached"),
+    ],
+)
+def test_an_unreachable_hub_is_read_from_its_cache_without_changing_its_settings(
+    model, what, no_network, monkeypatch, tmp_path
+):
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from extract.errors import ExtractError
+    from extract.models import build_model
+
+    before = constants.HF_HUB_OFFLINE
+    if model.startswith("hf:"):
+        calls = hub_calls(monkeypatch, transformers.AutoImageProcessor, "from_pretrained", tmp_path)
+    else:
+        calls = hub_calls(monkeypatch, huggingface_hub, "hf_hub_download", tmp_path)
+    with pytest.raises(ExtractError, match=f"could not load {what} .*; without network"):
+        build_model(model, "DEFAULT", None, 0, None)
+    assert calls and all(setting == before and cache_only for setting, cache_only in calls), calls
+    assert constants.HF_HUB_OFFLINE == before
+
+
+def test_timm_weights_in_the_hub_cache_load_without_network(no_network, monkeypatch, tmp_path):
+    import huggingface_hub
+    from safetensors.torch import save_file
+
+    from extract.models import build_model
+
+    weights = timm.create_model("resnet18").state_dict()
+    repository, commit = tmp_path / "models--timm--resnet18.a1_in1k", "0" * 40  # the hub cache's layout
+    (repository / "snapshots" / commit).mkdir(parents=True)
+    save_file(weights, repository / "snapshots" / commit / "model.safetensors")
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(commit)
+    calls = hub_calls(monkeypatch, huggingface_hub, "hf_hub_download", tmp_path)
+    loaded = build_model("timm:resnet18", "DEFAULT", None, 1, None)
+    assert loaded.weights == "timm pretrained resnet18.a1_in1k" and calls == [(calls[0][0], True)]
+    assert all(torch.equal(value, weights[name]) for name, value in loaded.model.state_dict().items())
+
+
+def test_open_clip_is_silenced_alone_while_it_builds(monkeypatch, caplog):
+    from extract.models import build_model
+
+    create = open_clip.create_model_and_transforms
+
+    def create_while_others_log(*args, **kwargs):
+        logging.getLogger("another.library").warning("another library's warning")
+        logging.warning("the user's own warning on the root logger")
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", create_while_others_log)
+    filters = list(logging.getLogger().filters)
+    with caplog.at_level(logging.INFO):
+        build_model("open_clip:ViT-S-32", "none", None, 0, None)
+    said = [record.getMessage() for record in caplog.records]
+    assert "another library's warning" in said and "the user's own warning on the root logger" in said
+    assert not any("No pretrained weights loaded" in message for message in said), said
+    assert logging.getLogger().filters == filters and logging.root.manager.disable == logging.NOTSET
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # what OpenCLIP says on its own, so that the check above can fail
+        create("ViT-S-32")
+    assert any("No pretrained weights loaded" in record.getMessage() for record in caplog.records)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ import base64
 import io
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -84,6 +85,32 @@ def test_report_without_image_files_skips_thumbnails_with_a_note(cli, tmp_path, 
     html = out.read_text()
     assert len(embedded(html)) == 3
     assert "nearest-neighbour thumbnails skipped: the keys of &#x27;synthetic:30&#x27; are not file paths" in html
+
+
+def test_thumbnails_are_found_where_the_source_said_its_images_live(cli, png_tree, tmp_path, monkeypatch):
+    import zarr
+
+    root, _ = png_tree
+    monkeypatch.chdir(root.parent)  # --data names the folder relative to where the extraction ran
+    store = tmp_path / "relative.zarr"
+    code, _, err = cli("--model", "resnet18", "--weights", "none", "--image-size", "32", "--layers", "layer4",
+                       "--pool", "avg", "--data", f"imagefolder:{root.name}", "--num-workers", "0", "--out", store)  # fmt: skip
+    assert code == 0, err
+
+    def notes(where: Path) -> str:
+        monkeypatch.chdir(where)
+        out = tmp_path / "r.html"
+        assert main([str(store), "--out", str(out), "--queries", "2", "--neighbours", "2"]) == 0
+        return out.read_text()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert f"neighbour queries (under {root.resolve()}):" in notes(elsewhere)
+    # a store written before the sources recorded image_root: its --data is read, relative to here
+    group = zarr.open_group(store, mode="r+")
+    group.attrs.put({key: value for key, value in group.attrs.asdict().items() if key != "image_root"})
+    assert f"neighbour queries (under {root.name}):" in notes(root.parent)
+    assert f"the image files are not under {root.name} any more" in notes(elsewhere)
 
 
 def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_store, tmp_path, capsys, monkeypatch):

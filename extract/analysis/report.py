@@ -19,9 +19,10 @@ import base64
 import html
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,8 +77,19 @@ class Report:
         return "\n".join(parts) + "\n"
 
 
-def image_root(dataset: str | None) -> Path | None:
-    """The folder the store's keys are relative to, for data sources whose keys are file paths."""
+def image_root(attrs: Mapping[str, Any]) -> Path | None:
+    """The folder the store's keys are relative to, for data sources whose keys are file paths: as
+    the source said at extraction (``attrs["image_root"]``), or for a store written before it was
+    recorded, as its ``--data`` says."""
+    if "image_root" in attrs:
+        return Path(attrs["image_root"])
+    return legacy_image_root(attrs.get("dataset"))
+
+
+def legacy_image_root(dataset: str | None) -> Path | None:
+    """For stores without ``image_root`` (written before the sources recorded it): the folder of an
+    ``imagefolder:`` or ``filelist:`` spec, relative to the current directory. The one place that
+    reads a ``--data`` string after extraction; newer stores never come here."""
     kind, _, rest = (dataset or "").partition(":")
     if kind == "imagefolder":
         return Path(rest)
@@ -158,7 +170,7 @@ def _pca_figure(report: Report, samples: Samples, classes: list[str] | None) -> 
 
 def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace) -> None:
     keys, classes = keys_and_classes(samples.features)
-    root = image_root(samples.features.attrs.get("dataset"))
+    root = image_root(samples.features.attrs)
     if keys is None:
         report.notes.append(
             "nearest-neighbour thumbnails skipped: the store has no keys (an older store or synthetic data)"

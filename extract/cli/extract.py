@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.pooling import POOL_CHOICES
+from ..data.registry import data_kinds
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
+from ..models.registry import model_kinds
 from ..store.store import COMPRESSORS
 from ..store.writer import WriterError
 from .base import Parser
@@ -28,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="TOML", help="take options from a TOML job file; flags override it")
     p.add_argument(
         "--model",
-        help="torchvision name, timm:NAME[.TAG], hf:ID_OR_DIR, open_clip:ARCH[:TAG_OR_FILE], "
-        "or pkg.module:factory / file.py:factory (default resnet50)",
+        help=f"{model_kinds()} (default resnet50)",
     )
     p.add_argument(
         "--weights", help="torchvision weights name, DEFAULT (the source's pretrained weights), or none (random init)"
@@ -41,8 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         metavar="SPEC",
-        help="imagefolder:PATH | filelist:FILE | wds:SHARDS | parquet:GLOB | hf:PATH[:split] | "
-        "torchvision:NAME:ROOT[:split] | synthetic:N",
+        help=data_kinds(),
     )
     p.add_argument(
         "--image-key", metavar="K", help="wds: image extension; parquet/hf: image column (default: detected)"

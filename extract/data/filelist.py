@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ..errors import ExtractError
 from .decode import RawImage
-from .listing import Ranks, on_one_rank
-from .source import Source, listing_hash
+from .listing import on_one_rank
+from .source import DataRequest, DataSource, Source, listing_hash
 
 NAMED_MISSING = 3
 
@@ -59,6 +59,10 @@ class FileListSource(Source):
     def describe(self, index: int) -> str:
         return str(self.base / self.listing.names[index])
 
+    @property
+    def image_root(self) -> Path:
+        return self.base.resolve()
+
     def load(self, index: int) -> tuple[RawImage, int]:
         return (self.base / self.listing.names[index]).read_bytes(), self.listing.labels[index]
 
@@ -66,8 +70,11 @@ class FileListSource(Source):
         return listing_hash(f"{n}\t{label}" for n, label in zip(self.listing.names, self.listing.labels, strict=True))
 
 
-def open_filelist(location: str, ranks: Ranks | None) -> FileListSource:
+def open_filelist(location: str, request: DataRequest) -> FileListSource:
     path = Path(location)
     if not path.is_file():
         raise ExtractError(f"--data filelist:{location}: file {location} does not exist (one image path per line)")
-    return FileListSource(path, on_one_rank(ranks, lambda: read_list(path)))
+    return FileListSource(path, on_one_rank(request.ranks, lambda: read_list(path)))
+
+
+SOURCE = DataSource("filelist", location="FILE", example="filelist:/data/train.txt", open=open_filelist)

@@ -16,8 +16,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..errors import ExtractError
 from .decode import RawImage
-from .listing import Ranks, on_one_rank
-from .source import Source, listing_hash
+from .listing import on_one_rank
+from .source import DataRequest, DataSource, Source, listing_hash
 
 
 @dataclass
@@ -106,6 +106,10 @@ class FolderSource(Source):
     def describe(self, index: int) -> str:
         return os.path.join(self.root, self.listing.paths[index])
 
+    @property
+    def image_root(self) -> Path:
+        return Path(self.root).resolve()
+
     def load(self, index: int) -> tuple[RawImage, int]:
         return Path(self.root, self.listing.paths[index]).read_bytes(), self.listing.labels[index]
 
@@ -114,9 +118,12 @@ class FolderSource(Source):
         return listing_hash([*(f"class\t{c}" for c in self.classes or []), *lines])
 
 
-def open_folder(root: str, ranks: Ranks | None) -> FolderSource:
+def open_folder(root: str, request: DataRequest) -> FolderSource:
     if not Path(root).is_dir():
         raise ExtractError(
             f"--data imagefolder:{root}: {root} is not a directory (ImageFolder layout: ROOT/CLASS/IMAGE)"
         )
-    return FolderSource(root, on_one_rank(ranks, lambda: list_folder(root)))
+    return FolderSource(root, on_one_rank(request.ranks, lambda: list_folder(root)))
+
+
+SOURCE = DataSource("imagefolder", location="PATH", example="imagefolder:/data/train", open=open_folder)

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
-from .source import Source
+from .source import DataRequest, DataSource, Source
 
 
 def _load(path: str, split: str | None) -> tuple[Any, str]:
@@ -75,3 +75,13 @@ class HFSource(Source):
 
     def listing_sha256(self) -> str | None:
         return self.fingerprint
+
+
+def open_hf(location: str, request: DataRequest) -> HFSource:
+    path, _, split = location.partition(":")
+    return HFSource(path, split or None, request.options.image_key, request.options.label_key)
+
+
+SOURCE = DataSource(
+    "hf", location="PATH[:split]", example="hf:/data/saved", open=open_hf, library="datasets", extra="datasets"
+)

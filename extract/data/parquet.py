@@ -3,6 +3,8 @@
 The image column holds encoded bytes, or Hugging Face's ``{bytes, path}`` struct; it is found by its
 type, or named with ``--image-key``. The label column is ``label``, or ``--label-key``; class names
 come from Hugging Face's ``ClassLabel`` metadata when the files carry it. Keys are ``file/row``.
+
+pyarrow is imported only when a source is opened (see ``DataSource``).
 """
 
 from __future__ import annotations
@@ -13,24 +15,28 @@ import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
-from .listing import Ranks, on_one_rank
-from .source import Source, listing_hash
+from .listing import on_one_rank
+from .source import DataRequest, DataSource, Source, listing_hash
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 ROW_GROUPS_CACHED = 2  # per worker: the one being read and the previous one
 
 
 def _is_bytes(kind: pa.DataType) -> bool:
+    import pyarrow as pa
+
     return pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
 
 
 def _is_image_struct(kind: pa.DataType) -> bool:
+    import pyarrow as pa
+
     return pa.types.is_struct(kind) and any(kind.field(i).name == "bytes" for i in range(kind.num_fields))
 
 
@@ -69,6 +75,9 @@ def _image_column(file: str, schema: pa.Schema, image_key: str | None) -> str:
 
 
 def list_parquet(pattern: str, image_key: str | None, label_key: str | None) -> ParquetListing:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     files = sorted(glob.glob(pattern, recursive=True))
     if not files:
         raise ExtractError(f"--data parquet:{pattern}: no file matches it")
@@ -136,6 +145,8 @@ class ParquetSource(Source):
     def _row_group(self, position: int) -> dict[str, list[Any]]:
         cache: OrderedDict[int, dict[str, list[Any]]] = self.__dict__.setdefault("_open_cache", OrderedDict())
         if position not in cache:
+            import pyarrow.parquet as pq
+
             number, group = self.groups[position]
             columns = [c for c in (self.listing.image_column, self.listing.label_column) if c is not None]
             table = pq.ParquetFile(self.listing.files[number]).read_row_group(group, columns=columns)
@@ -159,5 +170,12 @@ class ParquetSource(Source):
         )
 
 
-def open_parquet(pattern: str, image_key: str | None, label_key: str | None, ranks: Ranks | None) -> ParquetSource:
-    return ParquetSource(on_one_rank(ranks, lambda: list_parquet(pattern, image_key, label_key)))
+def open_parquet(pattern: str, request: DataRequest) -> ParquetSource:
+    image_key, label_key = request.options.image_key, request.options.label_key
+    return ParquetSource(on_one_rank(request.ranks, lambda: list_parquet(pattern, image_key, label_key)))
+
+
+SOURCE = DataSource(
+    "parquet", location="GLOB", example="parquet:/data/train-*.parquet", open=open_parquet, library="pyarrow",
+    extra="parquet",
+)  # fmt: skip

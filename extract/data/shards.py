@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import Ranks, split_across_ranks
-from .source import Source, listing_hash
+from .source import DataRequest, DataSource, Source, listing_hash
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 INDEX_FORMAT = "extract-wds-index/1"
@@ -195,12 +195,14 @@ class ShardSource(Source):
                 pass
 
 
-def open_shards(
-    location: str, image_key: str | None, label_key: str | None, ranks: Ranks | None, saved: bytes | None
-) -> ShardSource:
+def open_shards(location: str, request: DataRequest) -> ShardSource:
+    saved, options = request.saved_index, request.options
     index = ShardIndex.loads(saved) if saved is not None else None
     if index is None:
-        index = build_index(shard_paths(location), image_key, label_key, ranks)
+        index = build_index(shard_paths(location), options.image_key, options.label_key, request.ranks)
     if not index.samples:
         raise ExtractError(f"--data wds:{location} is empty: its shards hold no samples with an image")
     return ShardSource(index)
+
+
+SOURCE = DataSource("wds", location="PATTERN_OR_DIR", example="wds:/data/train-{000000..000999}.tar", open=open_shards)

@@ -1,15 +1,19 @@
-"""What every data source is: random access to samples, their keys, class names and a listing hash.
+"""What every data source is: its declaration (``DataSource``), and what it opens (``Source``):
+random access to samples, their keys, class names, a listing hash and where its images live.
 
 A source lists its samples once (see ``listing.py``), then serves item ``i`` as the raw image and
 its label. Decoding and the model's transform happen in ``Source.__getitem__``, the same for every
-source, so nothing downstream knows which source it was given.
+source, so nothing downstream knows which source it was given: what it needs to know, it asks the
+source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import tarfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from .decode import Decoding, RawImage
+from .listing import Ranks
 
 # What a bad sample raises while being read or decoded: the run stops naming it, or records it invalid.
 BAD_SAMPLE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError, tarfile.TarError)
@@ -64,6 +69,17 @@ class Source(Dataset):
         """Sample ``index`` for messages (a full path where there is one)."""
         return self.key(index)
 
+    @property
+    def notice(self) -> str | None:
+        """What the run says about this data before it starts (synthetic images), or None."""
+        return None
+
+    @property
+    def image_root(self) -> Path | None:
+        """The folder (absolute) that the keys are paths relative to, where the keys are image files
+        (the report's thumbnails); None where they are not."""
+        return None
+
     def keys(self) -> list[str]:
         return [self.key(i) for i in range(len(self))]
 
@@ -80,3 +96,46 @@ class Source(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # open file handles (shards, parquet readers) stay in the process that opened them
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_open")}
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    image_key: str | None = None
+    label_key: str | None = None
+    decode: str = "pil"
+    exif_transpose: bool = False
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What opening a source may use besides its location: the whole ``--data`` (for messages), the
+    model's input size, the options, the process state (to list once per job) and a shard index
+    kept with the store."""
+
+    spec: str
+    image_size: int
+    options: DataOptions
+    ranks: Ranks | None = None
+    saved_index: bytes | None = None
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A ``--data`` source, declared once in its own module (as timm declares a model with
+    ``@register_model``); ``registry.py`` derives dispatch, messages and the list of kinds from it.
+
+    ``PREFIX:LOCATION`` opens it: ``open(location, request)``. ``library`` is the import name of the
+    optional library it needs and ``extra`` the pip extra that installs it; the module imports the
+    library only when it opens a source, so that declaring one costs nothing.
+    """
+
+    prefix: str
+    location: str  # how the part after the prefix is written, for messages and --help: "PATTERN_OR_DIR"
+    example: str  # a --data value of this kind
+    open: Callable[[str, DataRequest], Source]
+    library: str | None = None
+    extra: str | None = None
+
+    @property
+    def usage(self) -> str:
+        return f"{self.prefix}:{self.location}"

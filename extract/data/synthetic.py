@@ -8,8 +8,9 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from ..errors import ExtractError
 from .decode import RawImage, Transform
-from .source import Source
+from .source import DataRequest, DataSource, Source
 
 
 def synthetic_image(index: int, side: int, classes: int = 10) -> Image.Image:
@@ -51,3 +52,16 @@ class SyntheticSource(Source):
 
     def load(self, index: int) -> tuple[RawImage, int]:
         return synthetic_image(index, self.side, self.num_classes), index % self.num_classes
+
+    @property
+    def notice(self) -> str:
+        return "SYNTHETIC images, not a real dataset"
+
+
+def open_synthetic(count: str, request: DataRequest) -> SyntheticSource:
+    if not count.isdigit():
+        raise ExtractError(f"--data {request.spec}: write synthetic:N with N a whole number, e.g. {SOURCE.example}")
+    return SyntheticSource(int(count), request.image_size)
+
+
+SOURCE = DataSource("synthetic", location="N", example="synthetic:512", open=open_synthetic)

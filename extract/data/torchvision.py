@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from ..errors import ExtractError
 from .decode import RawImage
-from .source import Source
+from .source import DataRequest, DataSource, Source
 
 
 def _dataset(name: str, root: str, split: str | None) -> Dataset:
@@ -57,11 +57,14 @@ class TorchvisionSource(Source):
         return image, label if isinstance(label, int) else -1
 
 
-def open_torchvision(rest: str) -> TorchvisionSource:
+def open_torchvision(rest: str, request: DataRequest) -> TorchvisionSource:
     name, _, location = rest.partition(":")
     root, _, split = location.partition(":")
     if not name or not root:
-        raise ExtractError(
-            f"--data torchvision:{rest}: write torchvision:NAME:ROOT[:split], e.g. torchvision:CIFAR10:/data:test"
-        )
+        raise ExtractError(f"--data torchvision:{rest}: write {SOURCE.usage}, e.g. {SOURCE.example}")
     return TorchvisionSource(name, root, split or None)
+
+
+SOURCE = DataSource(
+    "torchvision", location="NAME:ROOT[:split]", example="torchvision:CIFAR10:/data:test", open=open_torchvision
+)

@@ -215,6 +215,7 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
         "pools": layers.pools,
         "layouts": layers.stored_layouts(),
         "dataset": spec.data,
+        **({"image_root": str(dataset.image_root)} if dataset.image_root is not None else {}),
         "classes": dataset.classes,
         "layers": list(shapes),
         "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
@@ -314,8 +315,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
                     log(f"extract: {spec.out} is already complete for this job; nothing to do")
                 return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
             if main:
-                if spec.data.startswith("synthetic:"):
-                    log(f"extract: NOTE --data {spec.data}: SYNTHETIC images, not a real dataset")
+                if job.dataset.notice is not None:
+                    log(f"extract: NOTE --data {spec.data}: {job.dataset.notice}")
                 for note in job.notes:
                     log(note)
             store = life.open(action, lambda: _create(job))

@@ -1,15 +1,14 @@
-"""What every model source returns, and what is common to all of them (checkpoints, errors, the
-record of the preprocessing)."""
+"""What every model source is (its declaration), what it returns, and what is common to all of them
+(checkpoints, errors, the record of the preprocessing, reading the Hugging Face hub's cache offline)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import pickle
 import socket
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ class ModelRequest:
     seed: int
     image_size: int | None
     load_weights: bool
+    hub_offline: bool = False  # the Hugging Face hub is not reachable: read its cache only (see hub_offline())
 
     @property
     def random_init(self) -> bool:
@@ -72,6 +72,30 @@ class LoadedModel:
     @property
     def preprocessing(self) -> dict[str, Any]:
         return {"source": self.source, **preprocessing_record(self.preprocess)}
+
+
+Builder = Callable[[str, ModelRequest], LoadedModel]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A ``--model`` source, declared once in its own module (as timm declares a model with
+    ``@register_model``); ``registry.py`` derives dispatch, messages and the list of kinds from it.
+
+    ``name`` is what the store records as the source, and the prefix that selects it
+    (``timm:NAME``) when ``prefixed``; the two sources that are not prefixed take the other names
+    (a torchvision name, or ``pkg.module:factory``). ``library`` is the import name of the optional
+    library it needs and ``extra`` the pip extra that installs it: the module imports the library only
+    inside ``build``, so that declaring a source costs nothing and a missing library is one line.
+    """
+
+    name: str
+    usage: str  # how --model names it, for --help: "timm:NAME[.TAG]"
+    example: str  # a --model value that works, for messages
+    build: Builder  # (the name after the prefix, the request) -> the model in eval mode
+    prefixed: bool = True
+    library: str | None = None
+    extra: str | None = None
 
 
 _PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -178,27 +202,38 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> str:
     return digest.hexdigest()
 
 
-@contextlib.contextmanager
-def hub_offline_when_unreachable() -> Iterator[None]:
-    """Let the Hugging Face hub (timm, transformers and OpenCLIP download through it) use its cache
-    at once when its endpoint's name does not resolve, instead of retrying for most of a minute.
-    Behind a proxy the name need not resolve here, so nothing is decided then."""
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub (timm, transformers and OpenCLIP download through it) is to be
+    read from its cache only: ``HF_HUB_OFFLINE`` says so, or its endpoint's name does not resolve
+    (the hub would retry for most of a minute before using its cache). Behind a proxy the name need
+    not resolve here, so nothing is decided then. Sources pass ``local_files_only=True`` where this
+    holds; nothing of the hub's own settings is changed."""
     try:
         import huggingface_hub.constants as hub
     except ImportError:
-        yield
-        return
-    proxied = any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
-    if hub.HF_HUB_OFFLINE or proxied:
-        yield
-        return
+        return False
+    if hub.HF_HUB_OFFLINE:
+        return True
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
     try:
         socket.getaddrinfo(urllib.parse.urlparse(hub.ENDPOINT).hostname or "", 443)
     except OSError:
-        hub.HF_HUB_OFFLINE = True
+        return True
+    return False
+
+
+def cached_hub_file(repo_id: str, filenames: Sequence[str], revision: str | None = None) -> str:
+    """The first of ``filenames`` (in order of preference) that the Hugging Face cache holds for
+    ``repo_id``, found without the network; raises the hub's ``LocalEntryNotFoundError`` (an
+    ``OSError``) for the last one when none is there."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    *preferred, last = filenames
+    for filename in preferred:
         try:
-            yield
-        finally:
-            hub.HF_HUB_OFFLINE = False
-        return
-    yield
+            return huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, local_files_only=True)
+        except LocalEntryNotFoundError:
+            continue
+    return huggingface_hub.hf_hub_download(repo_id, last, revision=revision, local_files_only=True)

@@ -1,7 +1,9 @@
 """``--model hf:ID_OR_DIR``: a transformers ``AutoModel`` from a ``save_pretrained`` directory or
 the Hugging Face cache, called with ``pixel_values=``, preprocessed by its own
 ``AutoImageProcessor`` (in the DataLoader workers, exactly as transformers applies it). Layers are
-its module names plus ``hidden_states.N``, numbered as ``output_hidden_states`` numbers them."""
+its module names plus ``hidden_states.N``, numbered as ``output_hidden_states`` numbers them.
+
+transformers is imported only when a model is built (see ``ModelSource``)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ from typing import Any
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoConfig, AutoImageProcessor, AutoModel
 
 from ..capture.layers import LayerRef
 from ..errors import ExtractError
-from .base import LoadedModel, ModelRequest, download_failed
+from .base import LoadedModel, ModelRequest, ModelSource, download_failed
 
 
 class ProcessorTransform:
@@ -58,21 +59,28 @@ def _size_dict(size: Any) -> int | list[int] | None:
     return int(get("shortest_edge")) if get("shortest_edge") else None
 
 
-def _load(what: str, name: str, load: Any) -> Any:
-    local = Path(name).is_dir()
+def _load(what: str, name: str, load: Any, hub_offline: bool) -> Any:
+    """``load`` (a ``from_pretrained``) from a directory, else from the Hugging Face cache, else,
+    where the hub can be reached, from the hub."""
+    if Path(name).is_dir():
+        return load(name)
     try:
-        return load(name, local_files_only=True) if not local else load(name)
-    except OSError:
-        if local:
-            raise
+        return load(name, local_files_only=True)
+    except OSError as e:
+        if hub_offline:
+            raise _not_found(what, name, e) from None
     try:
         return load(name)
     except (OSError, ValueError) as e:
-        raise download_failed(
-            f"{what} of hf:{name} (not a local directory, not in the Hugging Face cache)",
-            e,
-            "use hf:DIR, a directory written by save_pretrained (model and image processor)",
-        ) from None
+        raise _not_found(what, name, e) from None
+
+
+def _not_found(what: str, name: str, error: BaseException) -> ExtractError:
+    return download_failed(
+        f"{what} of hf:{name} (not a local directory, not in the Hugging Face cache)",
+        error,
+        "use hf:DIR, a directory written by save_pretrained (model and image processor)",
+    )
 
 
 def _vision_tower(model: nn.Module) -> tuple[nn.Module, str]:
@@ -114,6 +122,8 @@ def hidden_state_aliases(model: nn.Module, example: torch.Tensor) -> dict[str, L
 
 
 def build(name: str, request: ModelRequest) -> LoadedModel:
+    from transformers import AutoConfig, AutoImageProcessor, AutoModel
+
     if request.image_size is not None:
         raise ExtractError(
             f"--image-size does not apply to hf:{name}: its image processor decides the input size "
@@ -121,12 +131,13 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
         )
     if request.weights.lower() not in ("default", "none"):
         raise ExtractError(f"--weights {request.weights}: hf models take DEFAULT (the saved weights) or none")
-    processor = _load("the image processor", name, AutoImageProcessor.from_pretrained)
+    offline = request.hub_offline
+    processor = _load("the image processor", name, AutoImageProcessor.from_pretrained, offline)
     if request.load_weights and request.weights.lower() == "default":
-        model = _load("the weights", name, AutoModel.from_pretrained)
+        model = _load("the weights", name, AutoModel.from_pretrained, offline)
         description = f"hf:{name}"
     else:
-        config = _load("the config", name, AutoConfig.from_pretrained)
+        config = _load("the config", name, AutoConfig.from_pretrained, offline)
         model = AutoModel.from_config(config)
         description = f"none (random init, seed {request.seed}; config of hf:{name})"
     model, tower = _vision_tower(model.eval())
@@ -135,3 +146,8 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
     loaded = LoadedModel(model, preprocess, size, description + tower, input_name="pixel_values")  # type: ignore[arg-type]
     loaded.aliases = hidden_state_aliases(model, loaded.example(1))
     return loaded
+
+
+SOURCE = ModelSource(
+    "hf", usage="hf:ID_OR_DIR", example="hf:facebook/dinov2-small", build=build, library="transformers", extra="hf"
+)

@@ -1,22 +1,78 @@
 """``--model open_clip:ARCH[:PRETRAINED]``: the image tower (``model.visual``) of an OpenCLIP model
 with OpenCLIP's own eval preprocess. PRETRAINED is a tag (``laion2b_s34b_b79k``; from the cache or
 downloaded) or a local checkpoint file. With ``--weights none`` a tag still chooses the
-preprocessing (mean, std, interpolation, resize mode), as the weights would."""
+preprocessing (mean, std, interpolation, resize mode), as the weights would.
+
+open_clip is imported only when a model is built (see ``ModelSource``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import open_clip
-
 from ..capture.layers import closest
 from ..errors import ExtractError
-from .base import LoadedModel, ModelRequest, download_failed
+from .base import LoadedModel, ModelRequest, ModelSource, cached_hub_file, download_failed
+
+HUB_WEIGHTS = "open_clip_pytorch_model.bin"  # OpenCLIP's file name where a tag names a hub repository only
+
+
+class _MadeIn(logging.Filter):
+    """Drops the records made by code under one directory."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = os.path.join(directory, "")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(self.directory)
+
+
+@contextlib.contextmanager
+def _open_clip_quiet() -> Iterator[None]:
+    """Silence OpenCLIP's own log records while it builds a model: it reports its failures (and a
+    random init) with ``logging.error``/``warning`` on the root logger, and the one line about them
+    is ours to say. A logger's filter sees only records made on it, so the records of every other
+    library still reach the root's handlers."""
+    import open_clip
+
+    quiet = _MadeIn(os.path.dirname(open_clip.__file__))
+    root = logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
+
+
+def _safe_alternatives(filename: str) -> list[str]:
+    """The safetensors files OpenCLIP prefers to ``filename`` on the hub, in its order."""
+    if filename == HUB_WEIGHTS:
+        return ["open_clip_model.safetensors"]
+    return [filename[:-4] + ".safetensors"] if filename.endswith((".bin", ".pth")) else []
+
+
+def _cached_weights(arch: str, tag: str) -> str:
+    """Offline, the file of a pretrained tag from the hub's cache: OpenCLIP downloads through the hub
+    with no cache-only switch. A tag with URL weights only stays OpenCLIP's (its own cache, which
+    fails at once without network). The tag's preprocessing is passed explicitly either way."""
+    import open_clip
+
+    config = open_clip.get_pretrained_cfg(arch, tag)
+    if not config.get("hf_hub"):  # OpenCLIP prefers the hub where a tag names both
+        return tag
+    repo, filename = os.path.split(config["hf_hub"])
+    filename = filename or HUB_WEIGHTS
+    return cached_hub_file(repo, [*_safe_alternatives(filename), filename])
 
 
 def _tag_preprocessing(arch: str, tag: str | None) -> dict[str, Any]:
+    import open_clip
+
     if tag is None or Path(tag).is_file():
         return {}
     config = open_clip.get_pretrained_cfg(arch, tag)
@@ -32,6 +88,8 @@ def _tag_preprocessing(arch: str, tag: str | None) -> dict[str, Any]:
 
 
 def build(spec: str, request: ModelRequest) -> LoadedModel:
+    import open_clip
+
     arch, _, tag = spec.partition(":")
     if arch not in open_clip.list_models():
         raise ExtractError(
@@ -54,17 +112,16 @@ def build(spec: str, request: ModelRequest) -> LoadedModel:
     options = _tag_preprocessing(arch, pretrained)
     if request.image_size is not None:
         options["force_image_size"] = request.image_size
-    logging.disable(logging.ERROR)  # OpenCLIP logs its failures on the root logger: one line is ours to say
     try:
-        model, _, preprocess = open_clip.create_model_and_transforms(
-            arch, pretrained=pretrained if load else None, **options
-        )
+        weights = pretrained if load else None
+        if weights is not None and request.hub_offline and not Path(weights).is_file():
+            weights = _cached_weights(arch, weights)
+        with _open_clip_quiet():
+            model, _, preprocess = open_clip.create_model_and_transforms(arch, pretrained=weights, **options)
     except (OSError, RuntimeError) as e:
         if not load:
             raise
         raise download_failed(f"OpenCLIP weights {arch}:{pretrained}", e) from None
-    finally:
-        logging.disable(logging.NOTSET)
     visual = model.visual
     size = visual.image_size if isinstance(visual.image_size, tuple) else (visual.image_size, visual.image_size)
     if load:
@@ -72,3 +129,13 @@ def build(spec: str, request: ModelRequest) -> LoadedModel:
     else:
         description = f"none (random init, seed {request.seed}" + (f"; preprocessing of {pretrained})" if tag else ")")
     return LoadedModel(visual, preprocess, (int(size[0]), int(size[1])), description)
+
+
+SOURCE = ModelSource(
+    "open_clip",
+    usage="open_clip:ARCH[:TAG_OR_FILE]",
+    example="open_clip:ViT-B-32",
+    build=build,
+    library="open_clip",
+    extra="clip",
+)

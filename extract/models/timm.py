@@ -1,28 +1,61 @@
 """``--model timm:NAME[.TAG]``: any ``timm.list_models()`` architecture, with timm's own eval
 transform (``resolve_model_data_config`` + ``create_transform``). The model's default pretrained
-config decides the transform whatever the weights (random init and checkpoints included)."""
+config decides the transform whatever the weights (random init and checkpoints included).
+
+timm is imported only when a model is built (see ``ModelSource``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import timm
-from timm.data import create_transform, resolve_model_data_config
-
 from ..capture.layers import closest
 from ..errors import ExtractError
-from .base import LoadedModel, ModelRequest, download_failed
+from .base import LoadedModel, ModelRequest, ModelSource, cached_hub_file, download_failed
+
+HUB_WEIGHTS = "pytorch_model.bin"  # timm's default file name on the hub
 
 
-def _create(name: str, pretrained: bool, image_size: int | None) -> Any:
+def _safe_alternatives(filename: str) -> list[str]:
+    """The safetensors files timm prefers to ``filename`` on the hub, in its order."""
+    if filename.endswith(".safetensors"):
+        return []
+    if filename == HUB_WEIGHTS:
+        return ["model.safetensors"]
+    if filename == "open_clip_pytorch_model.bin":
+        return ["open_clip_model.safetensors"]
+    return [filename.removesuffix(".bin") + ".safetensors"] if filename.endswith(".bin") else []
+
+
+def _cached_weights(name: str) -> dict[str, Any]:
+    """Offline, the pretrained config's hub weights as a file from the hub's cache, for
+    ``pretrained_cfg_overlay``: timm downloads through the hub with no cache-only switch. Weights
+    timm takes from a URL stay timm's (torch.hub's cache, which fails at once without network)."""
+    import timm.models
+
+    config = timm.models.get_pretrained_cfg(name)
+    if config is None or not config.hf_hub_id:
+        return {}
+    repo, _, revision = config.hf_hub_id.partition("@")
+    filename = config.hf_hub_filename or HUB_WEIGHTS
+    path = cached_hub_file(repo, [*_safe_alternatives(filename), filename], revision or None)
+    # what timm does with the hub's file: model.load_pretrained for custom_load "hf", else a state_dict
+    return {"file": path, "custom_load": config.custom_load == "hf"}
+
+
+def _create(name: str, pretrained: bool, image_size: int | None, hub_offline: bool) -> Any:
+    import timm
+
     try:
+        overlay = _cached_weights(name) if pretrained and hub_offline else {}
         if image_size is not None:
             try:  # models with a fixed input size (ViTs, Swin) are built for the new size, as timm does
-                return timm.create_model(name, pretrained=pretrained, img_size=image_size)
+                return timm.create_model(
+                    name, pretrained=pretrained, img_size=image_size, pretrained_cfg_overlay=overlay
+                )
             except TypeError as e:
                 if "img_size" not in str(e):
                     raise
-        return timm.create_model(name, pretrained=pretrained)
+        return timm.create_model(name, pretrained=pretrained, pretrained_cfg_overlay=overlay)
     except RuntimeError as e:
         if "pretrained tag" in str(e):
             raise ExtractError(f"--model timm:{name}: {e} (timm.list_pretrained('{name.split('.')[0]}*'))") from None
@@ -34,6 +67,9 @@ def _create(name: str, pretrained: bool, image_size: int | None) -> Any:
 
 
 def build(name: str, request: ModelRequest) -> LoadedModel:
+    import timm
+    from timm.data import create_transform, resolve_model_data_config
+
     if not timm.is_model(name):
         raise ExtractError(
             f"unknown --model timm:{name}; closest: {closest(name, timm.list_models())} (timm.list_models() has all)"
@@ -44,7 +80,7 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
             f"e.g. --model timm:{name.split('.')[0]}.TAG (timm.list_pretrained())"
         )
     pretrained = request.load_weights and request.weights.lower() == "default"
-    model = _create(name, pretrained, request.image_size)
+    model = _create(name, pretrained, request.image_size, request.hub_offline)
     args = {"img_size": request.image_size} if request.image_size is not None else None
     config = resolve_model_data_config(model, args=args)
     preprocess = create_transform(**config, is_training=False)
@@ -59,3 +95,8 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
         hints = {info["module"]: "NHWC" for info in getattr(model, "feature_info", []) if "module" in info}
     _, height, width = config["input_size"]
     return LoadedModel(model, preprocess, (height, width), description, layout_hints=hints)
+
+
+SOURCE = ModelSource(
+    "timm", usage="timm:NAME[.TAG]", example="timm:vit_small_patch16_224", build=build, library="timm", extra="timm"
+)
