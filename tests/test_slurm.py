@@ -156,7 +156,11 @@ def _lock(out: Path) -> Path:
     import extract.store.lock
 
     # The reliability work moves the lock beside the store (lock_path); until then it is inside.
-    return extract.store.lock.lock_path(out) if hasattr(extract.store.lock, "lock_path") else out / extract.store.lock.LOCK_NAME
+    return (
+        extract.store.lock.lock_path(out)
+        if hasattr(extract.store.lock, "lock_path")
+        else out / extract.store.lock.LOCK_NAME
+    )
 
 
 def _seconds(clock: str) -> int:
