@@ -20,11 +20,11 @@ import torch
 import zarr
 from conftest import ROOT, TINY
 
+from extract.cli.verify import main as verify_main
 from extract.errors import StoreDamagedError
 from extract.read.features import open_features
 from extract.store.lock import lock_path
 from extract.store.store import FeatureStore
-from extract.store.verify import main as verify_main
 
 TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
             "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip

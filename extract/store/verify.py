@@ -8,10 +8,7 @@ those. One summary line; exit status 0 when clean, 1 when damaged, 2 for bad inp
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +16,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from ..errors import ExtractError
 from ..job.plan import Plan
-from .lock import StoreLock
 from .store import FeatureStore
 
 
@@ -75,27 +70,3 @@ def verify(store: FeatureStore) -> Report:
 
 def repair(store: FeatureStore, report: Report) -> None:
     store.clear_done(sorted(report.damaged))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extract.verify", description=__doc__.splitlines()[0])
-    parser.add_argument("store", type=Path)
-    parser.add_argument("--repair", action="store_true", help="clear done for damaged chunks so a rerun redoes them")
-    args = parser.parse_args(argv)
-    try:
-        if args.repair:
-            with StoreLock(args.store):  # a job writing the store is refused, naming its holder
-                store = FeatureStore.open(args.store, mode="r+")
-                report = verify(store)
-                repair(store, report)
-        else:
-            report = verify(FeatureStore.open(args.store, mode="r"))
-    except ExtractError as e:
-        print(f"extract.verify: error: {e}", file=sys.stderr)
-        return 2
-    print(report.line(args.repair))
-    return 1 if report.damaged else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
