@@ -34,6 +34,7 @@ from ..store.writer import ChunkWriter
 from .dist import process_state
 from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
 from .lifecycle import StoreLife
+from .memory import keep_freed_memory
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
 from .progress import JobProgress
 from .spec import JobSpec, fingerprint
@@ -305,6 +306,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
         watch_parent()
         state = process_state(spec.timeout)
+        if state.device.type == "cpu":  # before the model and data allocate anything
+            keep_freed_memory()
         main = state.is_main_process
         with StoreLife(Path(spec.out), state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, life.existing)
