@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from extract.capture.staging import HostStaging
-from extract.job.plan import ChunkBatchSampler, Plan, assign, chunk_segments, default_chunk_size
+from extract.job.plan import ChunkBatchSampler, assign, default_chunk_size
+from extract.store.chunks import Plan, chunk_segments
 from extract.store.store import FeatureStore
 from extract.store.writer import ChunkWriter, WriterError
 

@@ -14,7 +14,7 @@ from ..capture.pooling import POOL_CHOICES
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
-from ..store.store import COMPRESSORS
+from ..store.schema import COMPRESSORS
 from ..store.writer import WriterError
 from .base import Parser
 

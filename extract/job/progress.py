@@ -6,26 +6,19 @@ progress on rank 0 without a collective (which would make the ranks wait for eac
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 
 from tqdm import tqdm
 
-from .plan import Plan
-
-
-def done_chunks(store_path: Path) -> list[int]:
-    """Chunks whose ``done`` marker exists: zarr v3 stores ``done[k]`` as the object ``done/c/k``."""
-    try:
-        return [int(entry.name) for entry in os.scandir(store_path / "done" / "c") if entry.name.isdigit()]
-    except FileNotFoundError:
-        return []
+from ..store.chunks import Plan
+from ..store.store import FeatureStore
 
 
 class JobProgress:
-    def __init__(self, store_path: Path, plan: Plan, pending: list[int], enabled: bool, interval: float = 0.5) -> None:
-        self.store_path, self.plan, self.interval = store_path, plan, interval
+    def __init__(
+        self, store: FeatureStore, plan: Plan, pending: list[int], enabled: bool, interval: float = 0.5
+    ) -> None:
+        self.store, self.plan, self.interval = store, plan, interval
         self.pending = set(pending)
         self.bar = tqdm(total=plan.samples_in(pending), unit="img", desc="extract", disable=not enabled, smoothing=0.1)
         self._stop = threading.Event()
@@ -34,7 +27,9 @@ class JobProgress:
             self._thread.start()
 
     def refresh(self) -> None:
-        finished = self.pending.intersection(done_chunks(self.store_path))
+        """Count the pending chunks whose ``done`` object exists: one listing of the store's ``done`` keys
+        (reading the flags would decode every one, and fail on a torn one)."""
+        finished = self.store.stored_chunks("done", self.pending)
         self.bar.update(self.plan.samples_in(sorted(finished)) - self.bar.n)
 
     def _poll(self) -> None:
