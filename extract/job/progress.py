@@ -7,6 +7,7 @@ progress on rank 0 without a collective (which would make the ranks wait for eac
 from __future__ import annotations
 
 import threading
+import time
 
 from tqdm import tqdm
 
@@ -33,8 +34,13 @@ class JobProgress:
         self.bar.update(self.plan.samples_in(sorted(finished)) - self.bar.n)
 
     def _poll(self) -> None:
-        while not self._stop.wait(self.interval):
+        """Refresh every ``interval`` seconds, or less often where one listing takes longer than a tenth of
+        that (thousands of chunks on disk, or object storage): the bar never costs more than a tenth of a core."""
+        wait = self.interval
+        while not self._stop.wait(wait):
+            started = time.perf_counter()
             self.refresh()
+            wait = max(self.interval, 10 * (time.perf_counter() - started))
 
     def close(self) -> None:
         self._stop.set()

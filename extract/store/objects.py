@@ -35,6 +35,15 @@ def listed(store: Store, prefix: str) -> set[str]:
     return _wait(collect())
 
 
+def children(store: Store, prefix: str) -> set[str]:
+    """The names one level below ``prefix`` (one delimited LIST on object storage; no walk on disk)."""
+
+    async def collect() -> set[str]:
+        return {name async for name in store.list_dir(prefix)}
+
+    return _wait(collect())
+
+
 def size(store: Store, prefix: str) -> int:
     """The bytes of every object under ``prefix``."""
     return _wait(store.getsize_prefix(prefix))

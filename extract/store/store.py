@@ -183,6 +183,7 @@ class FeatureStore:
         self.group = group
         self.path = path
         self._arrays: dict[str, zarr.Array] = {}
+        self._chunk_of_key: dict[str, dict[str, int]] = {}
 
     @classmethod
     def create(
@@ -310,10 +311,20 @@ class FeatureStore:
         return f"{array.path}/{array.metadata.encode_chunk_key((chunk, *[0] * (array.ndim - 1)))}"
 
     def stored_chunks(self, name: str, chunks: Iterable[int]) -> set[int]:
-        """Which of ``chunks`` have an object in array ``name``: one listing of the array's keys."""
-        array = self.array(name)
-        wanted = {self.chunk_key(array, k): k for k in chunks}
-        return {wanted[key] for key in objects.listed(self.group.store, f"{array.path}/") if key in wanted}
+        """Which of ``chunks`` have an object in array ``name``: one listing of the array's keys. A 1-D
+        array's objects share one parent (``done/c/<k>``), listed as one directory: ten times cheaper than
+        a recursive listing on disk, which the progress bar pays every half second."""
+        array, wanted = self.array(name), set(chunks)
+        if name not in self._chunk_of_key:  # encoding every key costs more than the listing: once per array
+            every = range(self.plan.num_chunks)
+            self._chunk_of_key[name] = {self.chunk_key(array, k): k for k in every}
+        chunk_of_key = self._chunk_of_key[name]
+        if array.ndim == 1:
+            parent = self.chunk_key(array, 0).rpartition("/")[0]
+            listed = {f"{parent}/{child}" for child in objects.children(self.group.store, parent)}
+        else:
+            listed = objects.listed(self.group.store, f"{array.path}/")
+        return {chunk_of_key[key] for key in listed if key in chunk_of_key} & wanted
 
     def missing_objects(self, chunks: list[int] | None = None) -> dict[int, list[str]]:
         """The cheap check: for each done chunk (or each of ``chunks``), the arrays whose object is absent.
