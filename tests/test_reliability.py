@@ -614,13 +614,15 @@ def test_a_killed_run_is_recorded_as_killed_after_a_resume(tmp_path, reference):
 
 
 def test_disk_full_during_creation_is_one_line_and_leaves_nothing(tmp_path, cli, monkeypatch):
-    real = FeatureStore._build
+    from extract.store.store import _Skeleton
 
-    def full(path, *args):
-        real(path, *args)
+    real = _Skeleton.build
+
+    def full(skeleton, path, attrs):
+        real(skeleton, path, attrs)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(FeatureStore, "_build", staticmethod(full))
+    monkeypatch.setattr(_Skeleton, "build", full)
     out = tmp_path / "full.zarr"
     code, _, err = cli(*TINY_JOB, "--out", out)
     assert code == 2 and "No space left on device" in one_line_error(err)

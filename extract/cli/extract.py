@@ -16,7 +16,7 @@ from ..errors import ExtractError
 from ..job.interrupt import Interrupted
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
-from ..store.store import COMPRESSORS
+from ..store.schema import COMPRESSORS
 from ..store.writer import WriterError
 from .base import Failure, Parser, command, say
 

@@ -6,26 +6,20 @@ progress on rank 0 without a collective (which would make the ranks wait for eac
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
+import time
 
 from tqdm import tqdm
 
-from .plan import Plan
-
-
-def done_chunks(store_path: Path) -> list[int]:
-    """Chunks whose ``done`` marker exists: zarr v3 stores ``done[k]`` as the object ``done/c/k``."""
-    try:
-        return [int(entry.name) for entry in os.scandir(store_path / "done" / "c") if entry.name.isdigit()]
-    except FileNotFoundError:
-        return []
+from ..store.chunks import Plan
+from ..store.store import FeatureStore
 
 
 class JobProgress:
-    def __init__(self, store_path: Path, plan: Plan, pending: list[int], enabled: bool, interval: float = 0.5) -> None:
-        self.store_path, self.plan, self.interval = store_path, plan, interval
+    def __init__(
+        self, store: FeatureStore, plan: Plan, pending: list[int], enabled: bool, interval: float = 0.5
+    ) -> None:
+        self.store, self.plan, self.interval = store, plan, interval
         self.pending = set(pending)
         self.bar = tqdm(total=plan.samples_in(pending), unit="img", desc="extract", disable=not enabled, smoothing=0.1)
         self._stop = threading.Event()
@@ -34,12 +28,19 @@ class JobProgress:
             self._thread.start()
 
     def refresh(self) -> None:
-        finished = self.pending.intersection(done_chunks(self.store_path))
+        """Count the pending chunks whose ``done`` object exists: one listing of the store's ``done`` keys
+        (reading the flags would decode every one, and fail on a torn one)."""
+        finished = self.store.stored_chunks("done", self.pending)
         self.bar.update(self.plan.samples_in(sorted(finished)) - self.bar.n)
 
     def _poll(self) -> None:
-        while not self._stop.wait(self.interval):
+        """Refresh every ``interval`` seconds, or less often where one listing takes longer than a tenth of
+        that (thousands of chunks on disk, or object storage): the bar never costs more than a tenth of a core."""
+        wait = self.interval
+        while not self._stop.wait(wait):
+            started = time.perf_counter()
             self.refresh()
+            wait = max(self.interval, 10 * (time.perf_counter() - started))
 
     def close(self) -> None:
         self._stop.set()

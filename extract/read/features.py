@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import zarr
-from zarr.core.buffer.cpu import NDBuffer
+from zarr.buffer.cpu import NDBuffer
 
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
 from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
-from ..job.plan import Plan
+from ..store.chunks import Plan
 from ..store.store import FeatureStore
 
 Index = slice | Sequence[int] | np.ndarray | None
