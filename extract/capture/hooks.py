@@ -1,4 +1,5 @@
-"""Forward hooks that capture (and optionally edit) named layers: the heart of ``extract``.
+"""``Capture``, the one hook manager: every place that needs a module's output (extraction, the
+interventions, --list-layers and layout probing, the ``hidden_states`` aliases) goes through it.
 
 Style after baukit's ``Trace``: one context manager, behaviour chosen by keyword arguments,
 hooks removed on any exit, and stopping the forward early is an exception the context swallows.
@@ -8,17 +9,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ..errors import ExtractError
 from .layers import LayerRef, closest, resolve_layers, select
+from .layout import shape_tree
 from .pooling import Pool, PoolShapeError
 
 Sink = Callable[[str, torch.Tensor], None]
 Edit = Callable[[torch.Tensor], Any]
+Retain = Literal["output", "shape", "reference"]
+RETAIN_CHOICES = ("output", "shape", "reference")
 
 
 class StopForward(Exception):
@@ -34,10 +38,23 @@ class Capture:
             model(x)
         cap.outputs["layer3"]
 
+        with Capture(model, retain="shape") as cap:  # every submodule, every call
+            model(x)
+        cap.by_module()["layer1.0.relu"]  # [torch.Size(...), torch.Size(...)]: it runs twice
+
     Args:
-        layers: names, globs (``layer*``) or ``name:0`` / ``name:key`` selectors, or resolved ``LayerRef``s.
+        layers: names, globs (``layer*``) or ``name:0`` / ``name:key`` selectors, or resolved ``LayerRef``s;
+            ``None``: every submodule of ``model``.
+        retain: what a forward leaves behind.
+            ``"output"``: each layer's selected tensor, detached and cloned, in ``outputs`` (or handed
+            to ``sink``); a layer whose module runs twice in one forward is refused.
+            ``"shape"``: the ``shape_tree`` of every call of each layer's module, in ``seen``; a module
+            may run any number of times, and selectors are not applied (``selected_shape`` does that).
+            ``"reference"``: every call's output object itself (not detached, not copied), in ``seen``:
+            for finding by identity which module returned a given tensor.
         reduce: applied to each detached output before it is kept (a ``--pool`` reduction), or a
             mapping from stored layer name to the reduction of that layer (``None``: keep it whole).
+            ``retain="output"`` only.
         stop: raise ``StopForward`` once every layer has fired, skipping the rest of the forward;
             the ``with`` block and ``forward()`` swallow it.
         edit: module name -> function of the module's output. A returned value replaces the output,
@@ -45,29 +62,33 @@ class Capture:
             of that module see the edit.
         sink: called as ``sink(layer, tensor)`` instead of keeping a clone in ``outputs``; the tensor
             may be changed in place later in the forward, so the sink must copy it before returning
-            or order its copy before any later work (as ``HostStaging.stage`` does).
+            or order its copy before any later work (as ``HostStaging.stage`` does). ``retain="output"`` only.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        layers: Sequence[str | LayerRef],
+        layers: Sequence[str | LayerRef] | None = None,
         *,
+        retain: Retain = "output",
         reduce: Pool | Mapping[str, Pool | None] | None = None,
         stop: bool = False,
         edit: Mapping[str, Edit] | None = None,
         sink: Sink | None = None,
     ) -> None:
+        if retain not in RETAIN_CHOICES:
+            raise ValueError(f"retain={retain!r}: choose one of {', '.join(RETAIN_CHOICES)}")
+        if retain != "output" and (reduce is not None or sink is not None):
+            raise ValueError(f"reduce and sink apply to retain='output', not retain={retain!r}")
         self.model = model
-        patterns = [layer for layer in layers if isinstance(layer, str)]
-        self.refs = [layer for layer in layers if isinstance(layer, LayerRef)]
-        if patterns:
-            self.refs += resolve_layers(model, patterns)
+        self.refs = _refs(model, layers)
+        self.retain = retain
         self.reduce = reduce
         self.stop = stop
         self.edit = dict(edit or {})
         self.sink = sink
         self.outputs: dict[str, torch.Tensor] = {}
+        self.seen: list[tuple[str, Any]] = []  # (module name, shape tree or output) per call, in return order
         self.calls: Counter[str] = Counter()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -110,17 +131,25 @@ class Capture:
         except StopForward:
             return None
 
+    def by_module(self) -> dict[str, list[Any]]:
+        """What ``retain="shape"`` or ``"reference"`` kept in the last forward, per module, one entry a call."""
+        kept: dict[str, list[Any]] = {}
+        for name, value in self.seen:
+            kept.setdefault(name, []).append(value)
+        return kept
+
     def missing(self) -> list[str]:
         """Layers that did not fire in the last forward."""
         return [ref.name for ref in self.refs if self.calls[ref.module] == 0]
 
     def _new_forward(self, module: nn.Module, args: Any) -> None:
         self.calls.clear()
+        self.seen.clear()
 
     def _make_hook(self, name: str, refs: list[LayerRef], edit: Edit | None) -> Callable[..., Any]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
             self.calls[name] += 1
-            if refs and self.calls[name] > 1:
+            if refs and self.retain == "output" and self.calls[name] > 1:
                 parent = name.rpartition(".")[0] or "a module that runs once"
                 raise ExtractError(
                     f"layer '{name}' ran {self.calls[name]} times in one forward (a shared module); "
@@ -131,13 +160,22 @@ class Capture:
                 replaced = edit(output)
                 if replaced is not None:
                     output = replaced
-            for ref in refs:
-                self._keep(ref, select(output, ref))
+            if refs:
+                self._retain(name, refs, output)
             if self.stop and refs and not self.missing():
                 raise StopForward
             return replaced
 
         return hook
+
+    def _retain(self, name: str, refs: list[LayerRef], output: Any) -> None:
+        if self.retain == "shape":
+            self.seen.append((name, shape_tree(output)))
+        elif self.retain == "reference":
+            self.seen.append((name, output))
+        else:
+            for ref in refs:
+                self._keep(ref, select(output, ref))
 
     def _keep(self, ref: LayerRef, value: torch.Tensor) -> None:
         value = value.detach()
@@ -153,6 +191,12 @@ class Capture:
             self.outputs[ref.name] = value.clone()
 
 
-def capture(model: nn.Module, layers: Sequence[str | LayerRef], **options: Any) -> Capture:
-    """``with capture(model, ["layer3"]) as cap: model(x)``; see ``Capture`` for the options."""
-    return Capture(model, layers, **options)
+def _refs(model: nn.Module, layers: Sequence[str | LayerRef] | None) -> list[LayerRef]:
+    """The given ``LayerRef``s, then what the patterns resolve to; every submodule when ``layers`` is None."""
+    if layers is None:
+        return [LayerRef(name) for name, _ in model.named_modules() if name]
+    patterns = [layer for layer in layers if isinstance(layer, str)]
+    refs = [layer for layer in layers if isinstance(layer, LayerRef)]
+    if patterns:
+        refs += resolve_layers(model, patterns)
+    return refs

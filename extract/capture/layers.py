@@ -1,9 +1,11 @@
-"""Turn ``--layers`` patterns into concrete modules, and pick one element of a tuple/dict output."""
+"""Layer names: ``--layers`` patterns (names, one-segment globs, ``NAME:0`` / ``NAME:key`` selectors and
+the source's aliases such as ``hidden_states.N``) resolved to ``LayerRef``s, the tensor a selector
+picks in a module's output, and the shape text every message shows."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -12,7 +14,6 @@ import torch
 from torch import nn
 
 from ..errors import ExtractError, LayerNotFoundError
-from .layout import infer_layout, selected_shape, trace
 
 
 @dataclass(frozen=True)
@@ -139,58 +140,3 @@ def describe(output: Any, batch: int | None = None) -> str:
     if isinstance(output, dict):
         return "{" + ", ".join(f"{k}: {describe(v, batch)}" for k, v in output.items()) + "}"
     return output if isinstance(output, str) else type(output).__name__
-
-
-def list_layers(
-    model: nn.Module,
-    run: Callable[[torch.Tensor], Any],
-    example: torch.Tensor,
-    larger: torch.Tensor,
-    aliases: Mapping[str, LayerRef] | None = None,
-    hints: Mapping[str, str] | None = None,
-) -> list[tuple[str, str, str, str]]:
-    """(name, class, output shape, layout) for every submodule and alias, from a forward of
-    ``example`` (and one of ``larger``, which tells the layouts; see ``extract.layout``)."""
-    try:
-        small = trace(model, run, example)
-    except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
-        raise model_failed(example, e) from None
-    try:
-        large = trace(model, run, larger)
-    except Exception:  # noqa: BLE001 - a fixed input size: the layouts fall back to the other rules
-        large = {}
-    modules = dict(model.named_modules())
-    batch = len(example)
-    rows = []
-
-    def row(name: str, module_name: str, selector: int | str | None, kind: str) -> tuple[str, str, str, str]:
-        shapes = small.get(module_name)
-        if shapes is None:
-            return (name, kind, "(not run)", "")
-        if len(shapes) > 1:
-            return (name, kind, f"{describe(shapes[0], batch)} (runs {len(shapes)}x: not capturable)", "")
-        tree = shapes[0]
-        shown = selected_shape(tree, selector) if selector is not None else tree
-        big = large.get(module_name, [None])[0]
-        own = selected_shape(tree, selector)
-        layout = None if own is None or not own or own[0] != batch else infer_layout(
-            module_name, modules[module_name], selected_shape(tree, selector),
-            selected_shape(big, selector) if big is not None else None, hints,
-        )  # fmt: skip
-        return (name, kind, describe(shown, batch), layout or "")
-
-    for name, module in modules.items():
-        if name:
-            rows.append(row(name, name, None, type(module).__name__))
-    for alias, ref in (aliases or {}).items():
-        target = ref.module if ref.selector is None else f"{ref.module}:{ref.selector}"
-        rows.append(row(alias, ref.module, ref.selector, f"-> {target}"))
-    return rows
-
-
-def model_failed(example: torch.Tensor, error: BaseException) -> ExtractError:
-    first = (str(error).strip().splitlines() or [""])[0]
-    return ExtractError(
-        f"the model fails on a {shape_text(example.shape, len(example))} input ({error.__class__.__name__}: {first}); "
-        "it may need another --image-size (or none)"
-    )

@@ -1,5 +1,6 @@
-"""Which axis of a captured output holds the channels: ``NCHW`` or ``NHWC`` for 4-D outputs,
-``NLC`` or ``NCL`` for 3-D ones. Pooling over the wrong axes would store wrong features silently.
+"""Which axis of a captured output holds the channels: the ``Layout`` type (``NCHW`` or ``NHWC`` for
+4-D outputs, ``NLC`` or ``NCL`` for 3-D ones) and ``infer_layout``, which finds it. Pooling over the
+wrong axes would store wrong features silently.
 
 The rule, in order:
 1. The shapes say: the model runs once at its input size and once at twice that; the axes that grow
@@ -15,13 +16,53 @@ The rule, in order:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 import torch
 from torch import nn
 
-LAYOUTS = ("NCHW", "NHWC", "NLC", "NCL")
+
+class Layout(StrEnum):
+    """Where the batch, channel and spatial (or token) axes of a 4-D or 3-D output are.
+
+    A ``StrEnum`` (timm's ``Format`` is a ``str, Enum``): members equal, print and store as their
+    names, so the store's ``layouts`` attribute and ``--layout`` values stay plain strings."""
+
+    NCHW = "NCHW"
+    NHWC = "NHWC"
+    NLC = "NLC"
+    NCL = "NCL"
+
+    @property
+    def ndim(self) -> int:
+        """The rank of an output in this layout, batch axis included."""
+        return len(self.value)
+
+    @property
+    def channel_axis(self) -> int:
+        return self.value.index("C")
+
+    @property
+    def spatial_axes(self) -> tuple[int, int] | None:
+        """The (height, width) axes of a feature map; ``None`` for token layouts."""
+        if self.ndim != 4:
+            return None
+        return self.value.index("H"), self.value.index("W")
+
+    @property
+    def token_axis(self) -> int | None:
+        """The token (sequence) axis; ``None`` for feature maps."""
+        return self.value.index("L") if self.ndim == 3 else None
+
+    @property
+    def dimension_names(self) -> tuple[str, ...]:
+        """The store's names for the axes after the batch one (NLC calls its channels ``dim``)."""
+        words = {"C": "dim" if self.ndim == 3 else "channel", "H": "height", "W": "width", "L": "token"}
+        return tuple(words[axis] for axis in self.value[1:])
+
+
 CHANNELS_LAST_MODULES = (nn.Linear, nn.LayerNorm)
 
 
@@ -46,50 +87,31 @@ def selected_shape(tree: Any, selector: int | str | None) -> torch.Size | None:
     return tree if isinstance(tree, torch.Size) else None
 
 
-def trace(
-    model: nn.Module, run: Callable[[torch.Tensor], Any], example: torch.Tensor, modules: Iterable[str] | None = None
-) -> dict[str, list[Any]]:
-    """Each module's output shapes in one forward of ``example`` (a list: shared modules run often)."""
-    wanted = None if modules is None else set(modules)
-    seen: dict[str, list[Any]] = {}
-    handles = [
-        module.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, []).append(shape_tree(o)))
-        for name, module in model.named_modules()
-        if name and (wanted is None or name in wanted)
-    ]
-    try:
-        with torch.inference_mode():
-            run(example)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen
-
-
-def _from_shapes(small: torch.Size, large: torch.Size | None) -> str | None:
+def _from_shapes(small: torch.Size, large: torch.Size | None) -> Layout | None:
     if large is None or len(large) != len(small):
         return None
-    grew = {axis for axis in range(1, len(small)) if large[axis] != small[axis]}
-    if len(small) == 4:
-        return {frozenset({2, 3}): "NCHW", frozenset({1, 2}): "NHWC"}.get(frozenset(grew))
-    return {frozenset({1}): "NLC", frozenset({2}): "NCL"}.get(frozenset(grew))
-
-
-def _from_module(module: nn.Module, ndim: int) -> str | None:
-    kind = type(module).__name__.lower()
-    if ndim == 4 and kind.endswith("2d"):
-        return "NCHW"
-    if ndim == 3 and kind.endswith("1d"):
-        return "NCL"
-    if isinstance(module, CHANNELS_LAST_MODULES):
-        return "NHWC" if ndim == 4 else "NLC"
+    grew = frozenset(axis for axis in range(1, len(small)) if large[axis] != small[axis])
+    for layout in Layout:
+        if layout.ndim == len(small) and grew == frozenset(layout.spatial_axes or (layout.token_axis,)):
+            return layout
     return None
 
 
-def _from_hints(name: str, hints: Mapping[str, str]) -> str | None:
+def _from_module(module: nn.Module, ndim: int) -> Layout | None:
+    kind = type(module).__name__.lower()
+    if ndim == 4 and kind.endswith("2d"):
+        return Layout.NCHW
+    if ndim == 3 and kind.endswith("1d"):
+        return Layout.NCL
+    if isinstance(module, CHANNELS_LAST_MODULES):
+        return Layout.NHWC if ndim == 4 else Layout.NLC
+    return None
+
+
+def _from_hints(name: str, hints: Mapping[str, str]) -> Layout | None:
     for prefix, layout in hints.items():
         if name == prefix or name.startswith(prefix + "."):
-            return layout
+            return Layout(layout)
     return None
 
 
@@ -99,7 +121,7 @@ def infer_layout(
     small: torch.Size | None,
     large: torch.Size | None,
     hints: Mapping[str, str] | None = None,
-) -> str | None:
+) -> Layout | None:
     """The layout of one output (see the module docstring for the rule); ``None`` when unknown or
     when the output is not 3-D or 4-D."""
     if small is None or len(small) not in (3, 4):
@@ -108,8 +130,8 @@ def infer_layout(
     layout = (
         _from_shapes(small, large)
         or _from_module(module, len(small))
-        or (hinted if hinted and len(hinted) == len(small) else None)
+        or (hinted if hinted and hinted.ndim == len(small) else None)
     )
     if layout is None and len(small) == 3:
-        layout = "NLC"
+        layout = Layout.NLC
     return layout

@@ -1,5 +1,6 @@
 """Reductions applied to a captured activation before it leaves the device (``--pool``), per layer
-and along the axes its layout says (``extract.layout``)."""
+and along the axes its layout says (``extract.capture.layout``); ``per_layer`` spreads ``--pool`` and
+``--layout`` values over the layers."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import torch.nn.functional as F
 
 from ..errors import ExtractError
 from .layers import LayerRef, matches_glob, shape_text
+from .layout import Layout
 
 Pool = Callable[[torch.Tensor], torch.Tensor]
 
 POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")
-SPATIAL_AXES = {"NCHW": (2, 3), "NHWC": (1, 2)}
-TOKEN_AXIS = {"NLC": 1, "NCL": 2}
 
 
 class PoolShapeError(ExtractError):
@@ -37,48 +37,52 @@ class PoolShapeError(ExtractError):
         )
 
 
-def _spatial(name: str, layout: str | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
+def _spatial(name: str, layout: Layout | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
     """``fn`` works on NCHW; a channels-last map is permuted to it first (a view, no copy)."""
 
     def pool(x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4:
             raise PoolShapeError(name, tuple(x.shape), "(B, C, H, W)", "cls or mean" if x.dim() == 3 else "none")
-        if layout not in SPATIAL_AXES:
+        if layout is None or layout.spatial_axes is None:
             raise PoolShapeError(name, tuple(x.shape), "known layout", "none")
-        return fn(x.permute(0, 3, 1, 2) if layout == "NHWC" else x)
+        return fn(x.movedim(layout.channel_axis, 1))
 
     return pool
 
 
-def _tokens(name: str, layout: str | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
-    """``fn`` works on (B, T, D); a (B, D, T) output is transposed to it first."""
+def _tokens(name: str, token_axis: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
+    """``fn`` works on (B, T, D); a (B, D, T) output (``token_axis`` 2) is transposed to it first."""
 
     def pool(x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise PoolShapeError(name, tuple(x.shape), "(B, T, D)", "avg or max" if x.dim() == 4 else "none")
-        return fn(x.transpose(1, 2) if layout == "NCL" else x)
+        return fn(x.movedim(token_axis, 1))
 
     return pool
 
 
-def make_pool(spec: str, layout: str | None = "NCHW") -> Pool | None:
-    """Parse one ``--pool`` value for an output of ``layout``; ``None`` means keep the full output."""
+def make_pool(spec: str, layout: Layout | str | None = Layout.NCHW) -> Pool | None:
+    """Parse one ``--pool`` value for an output of ``layout`` (a ``Layout`` or its name, as a store's
+    ``layouts`` attribute keeps it); ``None`` means keep the full output."""
+    known = Layout(layout) if layout else None
     if spec == "none":
         return None
     if spec == "avg":
-        return _spatial(spec, layout, lambda x: x.mean(dim=(2, 3)))
+        return _spatial(spec, known, lambda x: x.mean(dim=(2, 3)))
     if spec == "max":
-        return _spatial(spec, layout, lambda x: x.amax(dim=(2, 3)))
+        return _spatial(spec, known, lambda x: x.amax(dim=(2, 3)))
     if spec.startswith("avg:"):
         size = spec[4:]
         if not size.isdigit() or int(size) < 1:
             raise ExtractError(f"--pool {spec}: K must be a positive integer, e.g. avg:2")
         k = int(size)
-        return _spatial(spec, layout, lambda x: F.adaptive_avg_pool2d(x, k))
+        return _spatial(spec, known, lambda x: F.adaptive_avg_pool2d(x, k))
+    # a layout that is not a token one (or none) reads as NLC: PyTorch transformers are batch-first
+    token_axis = 2 if known is Layout.NCL else 1
     if spec == "cls":
-        return _tokens(spec, layout if layout in TOKEN_AXIS else "NLC", lambda x: x[:, 0])
+        return _tokens(spec, token_axis, lambda x: x[:, 0])
     if spec == "mean":
-        return _tokens(spec, layout if layout in TOKEN_AXIS else "NLC", lambda x: x.mean(dim=1))
+        return _tokens(spec, token_axis, lambda x: x.mean(dim=1))
     raise ExtractError(f"unknown --pool '{spec}'; choose one of {', '.join(POOL_CHOICES)}")
 
 

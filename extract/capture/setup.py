@@ -1,21 +1,35 @@
-"""Before anything is written: run the requested layers on a dummy batch to validate them (each runs
-once, its batch axis comes first, its pooling fits) and learn each one's layout, pooling and stored
-shape."""
+"""Forwards on a dummy batch, before anything is written.
+
+``setup_layers`` runs the requested layers to validate them (each runs once, its batch axis comes
+first, its pooling fits) and learns each one's layout, pooling and stored shape. ``list_layers``
+runs every submodule and alias for --list-layers: its class, output shape and layout."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from ..errors import ExtractError
-from ..models import LoadedModel
 from .hooks import Capture
-from .layers import LayerRef, model_failed, shape_text
-from .layout import LAYOUTS, infer_layout, selected_shape, trace
+from .layers import LayerRef, describe, shape_text
+from .layout import Layout, infer_layout, selected_shape
 from .pooling import Pool, PoolShapeError, make_pool, per_layer
+
+Run = Callable[[torch.Tensor], Any]
+
+
+class ModelRunner(Protocol):
+    """What the set-up forward needs of a loaded model (``extract.models.LoadedModel`` is one): how
+    to call a module on a batch, and the layouts its source knows (module name -> ``NHWC``...)."""
+
+    @property
+    def layout_hints(self) -> Mapping[str, str]: ...
+
+    def call(self, module: Callable[..., Any], pixels: torch.Tensor) -> Any: ...
 
 
 @dataclass
@@ -25,17 +39,31 @@ class LayerSetup:
 
     pools: dict[str, str]
     reduce: dict[str, Pool | None]
-    layouts: dict[str, str | None]
+    layouts: dict[str, Layout | None]
     shapes: dict[str, tuple[int, ...]]
 
     def stored_layouts(self) -> dict[str, str | None]:
-        """The layout of each stored array: the captured one when kept whole, none once pooled."""
-        return {name: None if self.pools[name] != "none" else self.layouts[name] for name in self.shapes}
+        """The layout of each stored array (plain strings, as the store's attributes keep them): the
+        captured one when kept whole, none once pooled."""
+        return {
+            name: None if self.pools[name] != "none" or self.layouts[name] is None else str(self.layouts[name])
+            for name in self.shapes
+        }
+
+
+def output_shapes(
+    model: nn.Module, run: Run, example: torch.Tensor, layers: Sequence[LayerRef] | None = None
+) -> dict[str, list[Any]]:
+    """Each module's (or each of ``layers``' modules') output ``shape_tree`` in one forward of
+    ``example``: a list per module, one entry a call, since a shared module runs more than once."""
+    with Capture(model, layers, retain="shape") as cap, torch.inference_mode():
+        run(example)
+    return cap.by_module()
 
 
 def setup_layers(
-    loaded: LoadedModel,
-    model: torch.nn.Module,
+    loaded: ModelRunner,
+    model: nn.Module,
     refs: Sequence[LayerRef],
     pool: str | Sequence[str],
     layout: Sequence[str] | None,
@@ -46,58 +74,71 @@ def setup_layers(
     captures the layers whole (validating them), a second at twice the size tells their layouts;
     the pooling is then tried on what the first captured."""
     outputs = _capture(loaded, model, refs, example, autocast)
-    larger = torch.nn.functional.interpolate(example, scale_factor=2.0) if example.dim() == 4 else example
 
     def run(x: torch.Tensor) -> Any:
         with autocast:
             return loaded.call(model, x)
 
+    larger = torch.nn.functional.interpolate(example, scale_factor=2.0) if example.dim() == 4 else example
     try:
-        large = trace(model, run, larger.contiguous(memory_format=_memory_format(example)), {r.module for r in refs})
+        large = output_shapes(model, run, larger.contiguous(memory_format=_memory_format(example)), refs)
     except Exception:  # noqa: BLE001 - a model with a fixed input size: other rules decide the layouts
         large = {}
-    given = per_layer(layout or [], refs, "layout", None)
-    for name, value in given.items():
-        if value is not None and value not in LAYOUTS:
-            raise ExtractError(f"--layout {name}={value}: choose one of {', '.join(LAYOUTS)}")
-    modules = dict(model.named_modules())
-    layouts: dict[str, str | None] = {}
-    for ref in refs:
-        large_shape = selected_shape(large[ref.module][0], ref.selector) if ref.module in large else None
-        inferred = infer_layout(
-            ref.module, modules[ref.module], outputs[ref.name].shape, large_shape, loaded.layout_hints
-        )
-        layouts[ref.name] = given[ref.name] or inferred
+    layouts = _layouts(model, refs, outputs, large, layout, loaded.layout_hints)
     pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
     reduce = {ref.name: make_pool(pools[ref.name], layouts[ref.name]) for ref in refs}
-    shapes = {}
-    for ref in refs:
-        value, fn = outputs[ref.name], reduce[ref.name]
-        if fn is not None:
-            try:
-                with torch.inference_mode():
-                    value = fn(value)
-            except PoolShapeError as e:
-                raise e.for_layer(ref.name) from None
-        if value.dim() == 0 or value.shape[0] != len(example):
-            raise ExtractError(
-                f"layer '{ref.name}' gives shape {shape_text(value.shape)} for a batch of {len(example)}: "
-                "its first axis is not the batch; pick another layer"
-            )
-        shapes[ref.name] = tuple(value.shape[1:])
+    shapes = {ref.name: _stored_shape(ref, outputs[ref.name], reduce[ref.name], len(example)) for ref in refs}
     return LayerSetup(pools, reduce, layouts, shapes)
 
 
+def _layouts(
+    model: nn.Module,
+    refs: Sequence[LayerRef],
+    outputs: Mapping[str, torch.Tensor],
+    large: Mapping[str, list[Any]],
+    given: Sequence[str] | None,
+    hints: Mapping[str, str],
+) -> dict[str, Layout | None]:
+    """Each layer's layout: the one ``--layout`` gives, else the one ``infer_layout`` finds."""
+    chosen: dict[str, Layout | None] = {}
+    for name, value in per_layer(given or [], refs, "layout", None).items():
+        try:
+            chosen[name] = Layout(value) if value is not None else None
+        except ValueError:
+            raise ExtractError(f"--layout {name}={value}: choose one of {', '.join(Layout)}") from None
+    modules = dict(model.named_modules())
+    layouts: dict[str, Layout | None] = {}
+    for ref in refs:
+        large_shape = selected_shape(large[ref.module][0], ref.selector) if ref.module in large else None
+        inferred = infer_layout(ref.module, modules[ref.module], outputs[ref.name].shape, large_shape, hints)
+        layouts[ref.name] = chosen[ref.name] or inferred
+    return layouts
+
+
+def _stored_shape(ref: LayerRef, value: torch.Tensor, reduce: Pool | None, batch: int) -> tuple[int, ...]:
+    """The shape stored per sample: the pooling tried on the captured batch, whose first axis must be the batch."""
+    if reduce is not None:
+        try:
+            with torch.inference_mode():
+                value = reduce(value)
+        except PoolShapeError as e:
+            raise e.for_layer(ref.name) from None
+    if value.dim() == 0 or value.shape[0] != batch:
+        raise ExtractError(
+            f"layer '{ref.name}' gives shape {shape_text(value.shape)} for a batch of {batch}: "
+            "its first axis is not the batch; pick another layer"
+        )
+    return tuple(value.shape[1:])
+
+
 def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    return (
-        torch.channels_last
-        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-        else (torch.contiguous_format)
-    )
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 def _capture(
-    loaded: LoadedModel, model: torch.nn.Module, refs: Sequence[LayerRef], example: torch.Tensor, autocast: Any
+    loaded: ModelRunner, model: nn.Module, refs: Sequence[LayerRef], example: torch.Tensor, autocast: Any
 ) -> dict[str, torch.Tensor]:
     """One batch through the capture, kept whole: each layer runs exactly once and its selector fits."""
     try:
@@ -110,3 +151,66 @@ def _capture(
     if missing := cap.missing():
         raise ExtractError(f"layer {', '.join(map(repr, missing))} never ran in the forward; pick layers that run")
     return cap.outputs
+
+
+def list_layers(
+    model: nn.Module,
+    run: Run,
+    example: torch.Tensor,
+    larger: torch.Tensor,
+    aliases: Mapping[str, LayerRef] | None = None,
+    hints: Mapping[str, str] | None = None,
+) -> list[tuple[str, str, str, str]]:
+    """(name, class, output shape, layout) for every submodule and alias, from a forward of
+    ``example`` (and one of ``larger``, which tells the layouts; see ``extract.capture.layout``)."""
+    try:
+        small = output_shapes(model, run, example)
+    except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
+        raise model_failed(example, e) from None
+    try:
+        large = output_shapes(model, run, larger)
+    except Exception:  # noqa: BLE001 - a fixed input size: the layouts fall back to the other rules
+        large = {}
+    modules = dict(model.named_modules())
+    listed = [(name, LayerRef(name), type(module).__name__) for name, module in modules.items() if name]
+    for alias, ref in (aliases or {}).items():
+        target = ref.module if ref.selector is None else f"{ref.module}:{ref.selector}"
+        listed.append((alias, ref, f"-> {target}"))
+    return [
+        (name, kind, *_shape_and_layout(ref, modules[ref.module], small, large, len(example), hints))
+        for name, ref, kind in listed
+    ]
+
+
+def _shape_and_layout(
+    ref: LayerRef,
+    module: nn.Module,
+    small: Mapping[str, list[Any]],
+    large: Mapping[str, list[Any]],
+    batch: int,
+    hints: Mapping[str, str] | None,
+) -> tuple[str, str]:
+    """One --list-layers row's output shape and layout (blank where there is none)."""
+    shapes = small.get(ref.module)
+    if shapes is None:
+        return "(not run)", ""
+    if len(shapes) > 1:
+        return f"{describe(shapes[0], batch)} (runs {len(shapes)}x: not capturable)", ""
+    tree = shapes[0]
+    own = selected_shape(tree, ref.selector)
+    shown = own if ref.selector is not None else tree
+    layout = None
+    if own is not None and own and own[0] == batch:
+        big = large.get(ref.module, [None])[0]
+        big_shape = selected_shape(big, ref.selector) if big is not None else None
+        layout = infer_layout(ref.module, module, own, big_shape, hints)
+    return describe(shown, batch), str(layout or "")
+
+
+def model_failed(example: torch.Tensor, error: BaseException) -> ExtractError:
+    """The model's own exception on a dummy batch, as one line that names the input it failed on."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    return ExtractError(
+        f"the model fails on a {shape_text(example.shape, len(example))} input ({error.__class__.__name__}: {first}); "
+        "it may need another --image-size (or none)"
+    )

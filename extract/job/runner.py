@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..capture.hooks import Capture, Edit
-from ..capture.layers import LayerRef, list_layers, resolve_layers
-from ..capture.setup import LayerSetup, setup_layers
+from ..capture.layers import LayerRef, resolve_layers
+from ..capture.setup import LayerSetup, list_layers, setup_layers
 from ..capture.staging import HostStaging
 from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, DataOptions, Source, build_dataset, reuses_index, saved_indexes
 from ..data.gpu_decode import GpuDecoder, collate_encoded

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from ..capture.layers import LayerRef
+from ..capture import Capture, LayerRef
 from ..errors import ExtractError
 from .base import LoadedModel, ModelRequest, ModelSource, download_failed
 
@@ -95,20 +95,12 @@ def hidden_state_aliases(model: nn.Module, example: torch.Tensor) -> dict[str, L
     """``hidden_states.N`` -> the module whose output is that hidden state, found by identity in one
     forward with ``output_hidden_states=True``; when several return it, the outermost (it finishes
     last), so that a change it makes after its children return is captured too."""
-    fired: list[tuple[str, Any]] = []
-    handles = [
-        module.register_forward_hook(lambda m, i, o, name=name: fired.append((name, o)))
-        for name, module in model.named_modules()
-        if name
-    ]
     try:
-        with torch.inference_mode():
+        with Capture(model, retain="reference") as cap, torch.inference_mode():
             result = model(pixel_values=example, output_hidden_states=True)
     except Exception:  # noqa: BLE001 - a model without hidden states just has no aliases
         return {}
-    finally:
-        for handle in handles:
-            handle.remove()
+    fired = cap.seen
     aliases = {}
     for number, state in enumerate(getattr(result, "hidden_states", None) or ()):
         tensors = [LayerRef(name) for name, out in fired if out is state]

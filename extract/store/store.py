@@ -21,6 +21,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
+from ..capture.layout import Layout
 from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
 from . import objects
 from .chunks import Plan
@@ -31,19 +32,11 @@ INDEXES = "index"  # the group of saved listings (``index/<name>``, uint8): not 
 INDEX_CHUNK_BYTES = 16 * 2**20
 
 
-DIMENSIONS = {
-    "NCHW": ("channel", "height", "width"),
-    "NHWC": ("height", "width", "channel"),
-    "NLC": ("token", "dim"),
-    "NCL": ("dim", "token"),
-}
-
-
 def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[str, ...]:
     """Per-layer dimension names: xarray needs them, and layers differ in size along them."""
-    names = DIMENSIONS.get(layout or "", ())
+    names = Layout(layout).dimension_names if layout else ()
     if len(names) != ndim:
-        names = {3: DIMENSIONS["NCHW"], 2: DIMENSIONS["NLC"], 1: ("feature",)}.get(
+        names = {3: Layout.NCHW.dimension_names, 2: Layout.NLC.dimension_names, 1: ("feature",)}.get(
             ndim, tuple(f"dim{i}" for i in range(ndim))
         )
     return ("sample", *(f"{layer}.{n}" for n in names))
