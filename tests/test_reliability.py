@@ -365,7 +365,7 @@ def test_a_complete_rerun_checks_presence_before_saying_done(tmp_path, reference
     shutil.copytree(reference, out)
     _chunk_file(out, "features/heads.conv", 2).unlink()
     code, _, err = cli(*TINY_JOB, "--out", out)
-    assert code == 0 and "lost objects (chunk 2: features/heads.conv)" in err and "1 chunks written, 11 reused" in err
+    assert code == 0 and "lost objects (chunk 2: features/heads.conv)" in err and "1 chunk written, 11 reused" in err
     assert_same_store(out, reference)
 
 

@@ -79,7 +79,7 @@ class Summary:
         skipped = f"; {self.invalid} bad images skipped (valid=False)" if self.invalid else ""
         return (
             f"extract: {self.samples} samples in {self.seconds:.1f} s ({self.images_per_second:.1f} img/s); "
-            f"{self.chunks_written} chunks written, {self.chunks_reused} reused; "
+            f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
             f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
         )
 
@@ -256,9 +256,15 @@ def _loader(job: _Job, chunks: list[int]) -> DataLoader:
 
 
 def _loop(
-    job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None, stop: StopRequests
+    job: _Job,
+    store: FeatureStore,
+    chunks: list[int],
+    edit: Mapping[str, Edit] | None,
+    stop: StopRequests,
+    forwarded: Callable[[int], None] = lambda samples: None,
 ) -> None:
-    """Forward this rank's chunks under the capture and hand them to the writer.
+    """Forward this rank's chunks under the capture and hand them to the writer; ``forwarded(n)`` after
+    each batch of n samples.
 
     Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
     after writing the chunks already complete.
@@ -278,7 +284,7 @@ def _loop(
             torch.inference_mode(),
             job.model.autocast,
         ):  # fmt: skip
-            bad_image = _forward(job, loader, cap, staging, writer, stop)
+            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded)
         writer.close(complete=stop.signum is None and bad_image is None)
     except BaseException:
         writer.abort()
@@ -294,7 +300,13 @@ def _loop(
 
 
 def _forward(
-    job: _Job, loader: DataLoader, cap: Capture, staging: HostStaging, writer: ChunkWriter, stop: StopRequests
+    job: _Job,
+    loader: DataLoader,
+    cap: Capture,
+    staging: HostStaging,
+    writer: ChunkWriter,
+    stop: StopRequests,
+    forwarded: Callable[[int], None],
 ) -> str | None:
     """Every batch through the model into the writer, until the data ends or a signal arrives; the
     first undecodable image stops it (returned) unless ``--skip-bad-images``."""
@@ -318,6 +330,7 @@ def _forward(
         model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
         staging.seal(slot)
         writer.submit(slot, indices, labels, valid)
+        forwarded(len(indices))
     return None
 
 
@@ -395,7 +408,26 @@ def _share(
         log(
             f"extract: resuming {job.spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
         )
+    if main:
+        log(_plan_line(job, pending))
     return pending, shares
+
+
+def _plan_line(job: _Job, pending: list[int]) -> str:
+    """What is about to happen, in one line: the layers as stored, the samples, the chunks, the processes
+    and the store's size before compression."""
+    plan, processes = job.plan, job.state.num_processes
+    layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
+    todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
+    return (
+        f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} samples in {_count(plan.num_chunks, 'chunk')} of "
+        f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}; "
+        f"{plan.num_samples * job.sample_bytes / 2**20:.1f} MiB before compression"
+    )
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
 def _extract(
@@ -409,10 +441,10 @@ def _extract(
     """This rank's share through the loop, then the barrier; the summary of the whole run."""
     state, plan = job.state, job.plan
     main = state.is_main_process
-    progress = JobProgress(store, plan, pending, enabled=main)
+    progress = JobProgress(store, plan, pending, enabled=main, own=share)
     started = time.time()
     try:
-        _loop(job, store, share, edit, stop)
+        _loop(job, store, share, edit, stop, progress.advance)
     finally:
         progress.close()
     try:
