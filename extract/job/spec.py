@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_args, get_origin, get_type_hints
 
+from ..data.decode import DECODES
 from ..errors import ExtractError
 
 DTYPES = ("float16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
-DECODES = ("pil", "draft", "nvjpeg")
 
 
 @dataclass

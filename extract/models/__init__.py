@@ -8,6 +8,7 @@ generic preset silently changes every feature."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import platform
 
 import torch
@@ -53,17 +54,23 @@ def build_model(
 
 
 def library_versions(source: str | None = None) -> dict[str, str]:
+    """The versions of what made a store: Python, torch, torchvision, zarr, extract and the source's library."""
     import zarr
-
-    from .. import __version__
 
     versions = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torchvision": torchvision_version,
         "zarr": zarr.__version__,
-        "extract": __version__,
+        "extract": _own_version(),
     }
     if library := registry.library_of(source):
         versions[library] = getattr(importlib.import_module(library), "__version__", "unknown")
     return versions
+
+
+def _own_version() -> str:
+    try:
+        return importlib.metadata.version("extract")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
