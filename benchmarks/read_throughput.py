@@ -42,9 +42,10 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extract.job.plan import Plan, default_chunk_size  # noqa: E402
+from extract.job.plan import default_chunk_size  # noqa: E402
 from extract.read.dataset import ChunkShuffleSampler, FeatureDataset  # noqa: E402
 from extract.read.features import open_features  # noqa: E402
+from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
 
 LAYER = "layer3"

@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extract.capture.staging import HostStaging  # noqa: E402
-from extract.job.plan import MAX_CHUNK_SIZE, Plan  # noqa: E402
+from extract.job.plan import MAX_CHUNK_SIZE  # noqa: E402
+from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore, dimension_names  # noqa: E402
 from extract.store.writer import ChunkWriter  # noqa: E402
 

@@ -10,7 +10,8 @@ from PIL import Image
 from stores import add_keys, array_store
 
 from extract import ExtractError, Features, open_features
-from extract.analysis.cka import Side, compare, main, minibatch_cka, parse_target
+from extract.analysis.cka import Side, compare, minibatch_cka, parse_target
+from extract.cli.compare import main
 
 
 def hsic_u_statistic(x, y):

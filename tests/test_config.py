@@ -14,7 +14,7 @@ from extract.capture.pooling import make_pool, per_layer
 from extract.cli.extract import parse_spec
 from extract.data import DATA_KINDS
 from extract.models import build_model
-from extract.store.store import codecs
+from extract.store.schema import codecs
 
 JOBS = sorted((ROOT / "jobs").glob("*.toml"))
 

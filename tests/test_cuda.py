@@ -12,7 +12,7 @@ from torch import nn
 
 from extract import Capture
 from extract.capture.staging import HostStaging
-from extract.job.plan import Plan
+from extract.store.chunks import Plan
 from extract.store.store import FeatureStore
 from extract.store.writer import ChunkWriter
 

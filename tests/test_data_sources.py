@@ -4,6 +4,7 @@ bad data; the listing's corner cases."""
 
 import io
 import os
+import shutil
 import sys
 import tarfile
 
@@ -11,14 +12,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import zarr
 from conftest import make_png_tree
 from data_files import decode_all, encoded_image, read_shards_with_tarfile, write_shards
 from reference import load_images, reference, resnet18
+from zarr.errors import ZarrUserWarning
 
 from extract import open_features
 from extract.data import build_dataset
 from extract.data.shards import expand_braces
 from extract.errors import ExtractError
+from extract.store.store import FeatureStore
+from extract.store.verify import verify
 
 SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
          "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
@@ -60,7 +65,8 @@ def test_shards_equal_an_independent_read(cli, tmp_path, shards, form):
     assert features.classes is None
     stored = features.load("layer3")
     assert np.abs(stored - expected_features([image for _, image, _ in truth])).max() <= 1e-5
-    assert (out / "wds-index.json.gz").is_file()
+    assert (out / "index" / "wds" / "zarr.json").is_file()  # the shard index, kept as a zarr array
+    assert not (out / "wds-index.json.gz").exists()
 
 
 def test_a_resume_reads_the_kept_index_instead_of_rescanning(shards, tmp_path, monkeypatch):
@@ -77,6 +83,51 @@ def test_a_resume_reads_the_kept_index_instead_of_rescanning(shards, tmp_path, m
     monkeypatch.setattr(module, "index_shard", no_rescan)
     again = build_dataset(f"wds:{root}", transform, 32, saved_index=blob)
     assert again.keys() == first.keys() and again.listing_sha256() == first.listing_sha256()
+
+
+def test_a_shard_store_is_all_zarr(cli, tmp_path, shards, recwarn):
+    """The kept shard index is a zarr array, not a stranger in the hierarchy: no ZarrUserWarning from
+    creating, resuming, verifying or reading the store."""
+    root, _ = shards
+    out = tmp_path / "wds.zarr"
+    args = [*SMALL, "--data", f"wds:{root}", "--out", out, "--chunk-size", "4"]
+    assert cli(*args)[0] == 0
+    FeatureStore.open(out).clear_done([1])
+    code, _, err = cli(*args)
+    assert code == 0 and "no rescan" in err, err
+    assert verify(FeatureStore.open(out, mode="r")).damaged == {}
+    open_features(out).load("layer3")
+    assert [str(w.message) for w in recwarn if issubclass(w.category, ZarrUserWarning)] == []
+
+
+OLD_LAYOUT_WARNS = pytest.mark.filterwarnings("ignore:Object at wds-index.json.gz:zarr.errors.ZarrUserWarning")
+
+
+@pytest.mark.parametrize(
+    "layout", ["index array", pytest.param("index file inside the store (older stores)", marks=OLD_LAYOUT_WARNS)]
+)
+def test_a_resume_uses_the_kept_shard_index_without_rescanning(cli, tmp_path, shards, monkeypatch, layout):
+    from extract.data import shards as module
+
+    root, _ = shards
+    out = tmp_path / "wds.zarr"
+    args = [*SMALL, "--data", f"wds:{root}", "--out", out, "--chunk-size", "4"]
+    assert cli(*args)[0] == 0
+    complete = open_features(out).load("layer3")
+    if layout != "index array":  # as stores were written before the index array: a gzip file at the root
+        blob = zarr.open_group(out, mode="r")["index/wds"][:].tobytes()
+        shutil.rmtree(out / "index")
+        (out / "wds-index.json.gz").write_bytes(blob)
+    FeatureStore.open(out).clear_done([0, 2])
+
+    def no_rescan(path):
+        raise AssertionError(f"rescanned {path}")
+
+    monkeypatch.setattr(module, "index_shard", no_rescan)
+    code, _, err = cli(*args)
+    assert code == 0, err
+    assert "using the shard index kept in" in err and "resuming" in err and "2 of 4 chunks already done" in err
+    np.testing.assert_array_equal(open_features(out).load("layer3"), complete)
 
 
 def test_image_and_label_keys(cli, tmp_path):

@@ -10,7 +10,7 @@ from skimage import data as photographs
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 from extract import open_features
-from extract.analysis.probe import fit_logistic_regression, probe_layers, split
+from extract.analysis.probe import ProbeOptions, fit_logistic_regression, probe_layers, split
 from extract.analysis.samples import Samples, labelled_rows
 
 SMALL = ["--model", "resnet18", "--weights", "none", "--image-size", "32", "--num-workers", "0", "--batch-size", "16"]
@@ -40,8 +40,8 @@ def test_lbfgs_probe_agrees_with_scikit_learn(photo_store):
     features = open_features(photo_store)
     train_rows, test_rows = split(labelled_rows(features), 0.25, seed=0)
     weight_decay = 1e-2
-    records = probe_layers(photo_store, ["layer2", "layer3"], solver="lbfgs", epochs=500,
-                           weight_decay=weight_decay, test_fraction=0.25, log=lambda line: None)  # fmt: skip
+    options = ProbeOptions(solver="lbfgs", epochs=500, weight_decay=weight_decay)
+    records = probe_layers(photo_store, ["layer2", "layer3"], options, test_fraction=0.25, log=lambda line: None)
     for layer in ("layer2", "layer3"):
         x_train = Samples(features, layer, None, train_rows).load()
         x_test = Samples(features, layer, None, test_rows).load()

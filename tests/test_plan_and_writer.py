@@ -5,9 +5,12 @@ import threading
 import numpy as np
 import pytest
 import torch
+import zarr
+from zarr.buffer import default_buffer_prototype
 
 from extract.capture.staging import HostStaging
-from extract.job.plan import ChunkBatchSampler, Plan, assign, chunk_segments, default_chunk_size
+from extract.job.plan import ChunkBatchSampler, assign, default_chunk_size
+from extract.store.chunks import Plan, chunk_segments
 from extract.store.store import FeatureStore
 from extract.store.writer import ChunkWriter, WriterError
 
@@ -174,3 +177,31 @@ def test_a_launcher_world_the_state_does_not_see_is_refused(monkeypatch):
         extract.job.dist.process_state()
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert extract.job.dist.process_state().num_processes == 1
+
+
+def test_done_flags_listings_and_sizes_go_through_the_zarr_store_not_the_disk(tmp_path):
+    """The same store copied into memory answers the same: nothing reads paths on disk."""
+    on_disk = _store(tmp_path)
+    on_disk.array("features/a")[0:8] = 1.0
+    on_disk.array("labels")[0:8] = 1
+    on_disk.array("valid")[0:8] = True
+    on_disk.array("done")[0:2] = True
+    files = {
+        path.relative_to(on_disk.path).as_posix(): path.read_bytes()
+        for path in on_disk.path.rglob("*")
+        if path.is_file()
+    }
+    memory = zarr.storage.MemoryStore(
+        {key: default_buffer_prototype().buffer.from_bytes(v) for key, v in files.items()}
+    )
+    stores = [on_disk, FeatureStore(zarr.open_group(memory, mode="r+"), tmp_path / "nowhere.zarr")]
+    for store in stores:
+        assert store.stored_chunks("done", range(3)) == {0, 1}
+        assert store.stored_chunks("features/a", range(3)) == {0, 1}
+        assert store.missing_objects() == {}
+        assert sorted(store.missing_objects([2])[2]) == ["features/a", "labels", "valid"]
+        assert store.stored_bytes() == sum(len(v) for key, v in files.items() if key.startswith("features/"))
+        store.clear_done([1])
+        assert store.stored_chunks("done", range(3)) == {0}
+        assert store.done_flags().tolist() == [True, False, False]  # an absent flag reads False
+    assert not (tmp_path / "nowhere.zarr").exists()

@@ -1,6 +1,7 @@
 """Probes end to end: the linear probe (L-BFGS and mini-batch), k-NN against brute force, train/test stores."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -13,8 +14,9 @@ from stores import array_store
 
 from extract import ExtractError, open_features
 from extract.analysis.knn import knn_predict
-from extract.analysis.probe import main, probe, probe_layers, split
+from extract.analysis.probe import ProbeOptions, probe, probe_layers, split
 from extract.analysis.samples import Samples, labelled_rows
+from extract.cli.probe import main
 
 
 def test_probe_learns_synthetic_classes(cli, capsys, tmp_path):
@@ -47,6 +49,25 @@ def test_split_is_seeded_and_disjoint():
     assert not np.array_equal(split(labelled, 0.2, seed=5)[1], test)
     with pytest.raises(ExtractError, match="too few"):
         split(np.arange(1), 0.5, seed=0)
+
+
+def test_probe_options_are_checked_when_made():
+    assert ProbeOptions().method == "linear" and ProbeOptions(lrs=[0.1, 0.3]).lrs == (0.1, 0.3)  # frozen: a tuple
+    for options, message in [
+        ({"method": "svm"}, "unknown --method 'svm'; choose one of linear, knn"),
+        ({"solver": "adam"}, "unknown --solver 'adam'; choose one of auto, lbfgs, sgd"),
+        ({"k": 0}, "--k must be positive and --temperature above 0; got 0 and 0.07"),
+        ({"temperature": 0}, "--k must be positive and --temperature above 0; got 20 and 0"),
+        ({"epochs": 0}, "--epochs and --batch-size must be positive, --num-workers 0 or more; got 0, 256, 0"),
+        ({"num_workers": -1}, "got None, 256, -1"),
+    ]:
+        with pytest.raises(ExtractError, match=re.escape(message)):
+            ProbeOptions(**options)
+    # the convenience function takes the same names, and fails on a misspelt one before opening anything
+    with pytest.raises(ExtractError, match="unknown --method 'svm'"):
+        probe("no-such.zarr", method="svm")
+    with pytest.raises(TypeError, match="epoch"):
+        probe("no-such.zarr", epoch=5)
 
 
 # --- k-NN, the mini-batch linear probe, train/test stores, layer globs --------------------------------
@@ -111,7 +132,8 @@ def test_knn_equals_brute_force_on_an_in_store_split(r18_store, layer):
     got = knn_predict(*parts, 10, train_block_bytes=1, test_block_bytes=1)
     np.testing.assert_array_equal(got, expected)
     assert not np.array_equal(got, np.full_like(got, np.bincount(y[train]).argmax()))  # it is not trivial
-    record = probe_layers(r18_store, [layer], method="knn", test_fraction=0.25, seed=3, **QUIET)[layer]
+    knn = ProbeOptions(method="knn", seed=3)
+    record = probe_layers(r18_store, [layer], knn, test_fraction=0.25, **QUIET)[layer]
     assert record["test_accuracy"] == pytest.approx((expected == y[test]).mean())
     assert (record["num_train"], record["num_test"], record["k"], record["temperature"]) == (72, 24, 20, 0.07)
 
@@ -182,19 +204,18 @@ def gaussian_classes(n, dim=64, classes=10, seed=0):
 def test_minibatch_probe_matches_lbfgs_and_is_deterministic(tmp_path):
     x, y = gaussian_classes(3000)
     store = array_store(tmp_path / "gauss.zarr", {"feat": x}, y, chunk_size=128)
-    lbfgs = probe_layers(store, solver="lbfgs", **QUIET)["feat"]
-    sgd = probe_layers(store, solver="sgd", epochs=5, **QUIET)["feat"]
+    lbfgs = probe_layers(store, options=ProbeOptions(solver="lbfgs"), **QUIET)["feat"]
+    sgd = probe_layers(store, options=ProbeOptions(solver="sgd", epochs=5), **QUIET)["feat"]
     assert lbfgs["solver"] == "lbfgs" and sgd["solver"] == "sgd"
     assert 0.6 < lbfgs["test_accuracy"] < 0.95
     assert sgd["test_accuracy"] >= lbfgs["test_accuracy"] - 0.01, (sgd, lbfgs)
     assert set(sgd["lr_sweep"]) == {"0.01", "0.03", "0.1", "0.3"} and str(sgd["lr"]) in sgd["lr_sweep"]
-    again = probe_layers(store, solver="sgd", epochs=5, **QUIET)["feat"]
+    again = probe_layers(store, options=ProbeOptions(solver="sgd", epochs=5), **QUIET)["feat"]
     assert again == sgd  # deterministic for a seed
-    assert probe_layers(store, solver="auto", **QUIET)["feat"]["solver"] == "lbfgs"  # small N: the exact path
-    assert (
-        probe_layers(store, solver="auto", max_full_batch_mib=0.5, lrs=[0.1], epochs=1, **QUIET)["feat"]["solver"]
-        == "sgd"
-    )
+    auto = ProbeOptions(solver="auto")
+    assert probe_layers(store, options=auto, **QUIET)["feat"]["solver"] == "lbfgs"  # small N: the exact path
+    auto = ProbeOptions(solver="auto", max_full_batch_mib=0.5, lrs=[0.1], epochs=1)
+    assert probe_layers(store, options=auto, **QUIET)["feat"]["solver"] == "sgd"
 
 
 def test_streaming_standardizer_equals_full_statistics(tmp_path):
@@ -214,7 +235,7 @@ def test_streaming_standardizer_equals_full_statistics(tmp_path):
 # peak of the pytest process it was forked from.
 PEAK_RSS = """
 import sys
-from extract.analysis.probe import main
+from extract.cli.probe import main
 code = main(sys.argv[1:])
 print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))  # KiB
 sys.exit(code)
@@ -255,9 +276,9 @@ def test_minibatch_probe_memory_stays_bounded(tmp_path):
 
 @pytest.mark.cuda
 def test_knn_and_minibatch_probe_on_cuda_equal_cpu(r18_store):
-    cpu = probe_layers(r18_store, ["layer4"], method="knn", device="cpu", **QUIET)["layer4"]
-    gpu = probe_layers(r18_store, ["layer4"], method="knn", device="cuda", **QUIET)["layer4"]
+    cpu = probe_layers(r18_store, ["layer4"], ProbeOptions(method="knn", device="cpu"), **QUIET)["layer4"]
+    gpu = probe_layers(r18_store, ["layer4"], ProbeOptions(method="knn", device="cuda"), **QUIET)["layer4"]
     assert gpu["test_accuracy"] == cpu["test_accuracy"]
-    cpu = probe_layers(r18_store, ["layer4"], solver="sgd", device="cpu", epochs=3, **QUIET)["layer4"]
-    gpu = probe_layers(r18_store, ["layer4"], solver="sgd", device="cuda", epochs=3, **QUIET)["layer4"]
+    cpu = probe_layers(r18_store, ["layer4"], ProbeOptions(solver="sgd", device="cpu", epochs=3), **QUIET)["layer4"]
+    gpu = probe_layers(r18_store, ["layer4"], ProbeOptions(solver="sgd", device="cuda", epochs=3), **QUIET)["layer4"]
     assert abs(gpu["test_accuracy"] - cpu["test_accuracy"]) <= 0.05

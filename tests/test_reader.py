@@ -92,7 +92,9 @@ def test_load_pools_like_extraction(store, raw):
     np.testing.assert_allclose(features.load("layer3", pool="avg"), values.mean(axis=(2, 3)), rtol=1e-6)
     np.testing.assert_array_equal(features.load("layer3", [4, 30], pool="max"), values[[4, 30]].max(axis=(2, 3)))
     assert features.load("layer3", pool="avg:1", as_torch=True).shape == (N, 256, 1, 1)
-    with pytest.raises(ExtractError, match="--pool cls does not fit layer 'layer3'"):
+    with pytest.raises(
+        ValueError, match=r"load\('layer3', pool='cls'\) needs \(B, T, D\) outputs.*use pool='avg' or pool='max'"
+    ):
         features.load("layer3", pool="cls")
 
 
@@ -241,3 +243,46 @@ def test_window_mixes_several_chunks_per_batch_and_still_reads_each_once(store, 
     values = torch.cat([v for v, _ in DataLoader(dataset, batch_sampler=sampler)])
     assert dataset.chunk_reads == -(-N // CHUNK)
     assert np.array_equal(values.numpy(), raw["layer4"][order].astype(np.float32))
+
+
+def test_a_layer_pooled_at_extraction_says_so_in_the_apis_terms(tmp_path):
+    """avg:K stores a (C, K, K) map: the reader pools it further along the axes its dimension names give,
+    also where the store does not record its layout (stores written before it did); a layer pooled to
+    (C,) is refused with a ValueError that speaks of pool=, not of --pool."""
+    path = extract_store(tmp_path / "pooled.zarr", "--model", "resnet18", "--weights", "none", "--layers", "layer3",
+                         "layer4", "--pool", "layer3=avg:2", "layer4=avg")  # fmt: skip
+    group = zarr.open_group(path, mode="r+")
+    group.attrs["layouts"] = {"layer3": None, "layer4": None}  # as stores written before this recorded them
+    features = open_features(path)
+    assert features.layout("layer3") == "NCHW" and features.layout("layer4") is None
+    stored = group["features/layer3"][:].astype(np.float32)
+    np.testing.assert_allclose(features.load("layer3", pool="avg"), stored.mean(axis=(2, 3)), rtol=1e-6)
+    with pytest.raises(
+        ValueError, match=r"layer4 is stored as \(512\) per sample \(pooled with avg at extraction\); use pool=None"
+    ) as error:
+        features.load("layer4", pool="avg")
+    assert "--pool" not in str(error.value)
+
+
+def test_dataset_pools_per_layer(store, raw):
+    both = FeatureDataset(store, ["layer3", "layer4"], pool={"layer3": "avg"})
+    values, _ = both[5]
+    np.testing.assert_allclose(
+        values["layer3"].numpy(), raw["layer3"][5].astype(np.float32).mean(axis=(1, 2)), rtol=1e-6
+    )
+    assert np.array_equal(values["layer4"].numpy(), raw["layer4"][5].astype(np.float32))
+    with pytest.raises(ValueError, match="layer5"):
+        FeatureDataset(store, ["layer3"], pool={"layer5": "avg"})
+
+
+def test_a_partial_dataset_serves_the_labels_of_chunks_written_after_it_was_made(store, partial):
+    target = zarr.open_group(partial, mode="r+")
+    target["labels"][CHUNK : 2 * CHUNK] = -1  # as an interrupted job leaves the chunk it never wrote
+    dataset = FeatureDataset(partial, "layer4", allow_partial=True)
+    assert dataset[0][1] == 0 and dataset[CHUNK][1] == -1
+    source = zarr.open_group(store, mode="r")
+    for name in ("features/layer3", "features/layer4", "labels"):  # the job resumes and writes chunk 1
+        target[name][CHUNK : 2 * CHUNK] = source[name][CHUNK : 2 * CHUNK]
+    target["done"][1] = True
+    dataset._cache.clear()  # the chunk read while unwritten is no longer cached (window moved on)
+    assert [dataset[i][1] for i in range(CHUNK, 2 * CHUNK)] == source["labels"][CHUNK : 2 * CHUNK].tolist()

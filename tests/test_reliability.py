@@ -3,14 +3,14 @@ signals. Most runs are forked from this process (torch is imported once), so a S
 of a second; the multi-process ones use ``accelerate launch``."""
 
 import contextlib
+import itertools
 import json
 import os
-import random
+import select
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,12 +19,13 @@ import pytest
 import torch
 import zarr
 from conftest import ROOT, TINY
+from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait
 
+from extract.cli.verify import main as verify_main
 from extract.errors import StoreDamagedError
 from extract.read.features import open_features
 from extract.store.lock import lock_path
 from extract.store.store import FeatureStore
-from extract.store.verify import main as verify_main
 
 TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
             "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
@@ -35,49 +36,6 @@ def one_line_error(err: str) -> str:
     lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
-
-
-def fork_start(args, before=None, stderr=os.devnull, own_group=False) -> int:
-    """``python -m extract ARGS`` in a forked child (torch is already imported: no start-up cost); returns
-    its pid. ``before`` runs in the child first (to make it kill itself at a chosen point); its stderr
-    goes to the file ``stderr``; ``own_group`` makes it lead a process group, as a shell job does."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            if own_group:
-                os.setpgid(0, 0)
-            torch.set_num_threads(1)
-            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
-            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the child exits with os._exit
-            if before is not None:
-                before()
-            from extract.cli.extract import main
-
-            code = main([str(a) for a in args])
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-    return pid
-
-
-def fork_wait(pid, kill_after=None) -> int:
-    """The child's exit code (-9 when killed); SIGKILL it after ``kill_after`` seconds if still running."""
-    reaped, status = 0, 0
-    if kill_after is not None:
-        deadline = time.time() + kill_after
-        while time.time() < deadline and not reaped:
-            reaped, status = os.waitpid(pid, os.WNOHANG)
-            time.sleep(0.005)
-        if not reaped:
-            os.kill(pid, signal.SIGKILL)
-    if not reaped:
-        _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
-def fork_run(args, kill_after=None, before=None) -> int:
-    return fork_wait(fork_start(args, before), kill_after)
 
 
 def assert_same_store(got, expected):
@@ -112,76 +70,91 @@ def reference(tmp_path_factory):
 # ----------------------------------------------------------------------------------- kill storm
 
 
-def _die_on(target, name, nth=1, when=lambda *a, **k: True):
-    """In a forked child: SIGKILL ourselves on the ``nth`` matching call of ``target.name``."""
-    original = getattr(target, name)
-    calls = []
-
-    def dying(*args, **kwargs):
-        if when(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kwargs)
-
-    return lambda: setattr(target, name, dying)
-
-
-def _after(target, name, when=lambda *a, **k: True):
-    """SIGKILL ourselves right after the first matching call of ``target.name`` returns."""
-    original = getattr(target, name)
-
-    def dying(*args, **kwargs):
-        result = original(*args, **kwargs)
-        if when(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return result
-
-    return lambda: setattr(target, name, dying)
-
-
 def _completing(self, **values):
     return values.get("status") == "complete"
 
 
 TARGETED = {
     # the lock: its record written, not yet linked into place
-    "claim-lock": _die_on(os, "link", 1),
+    "claim-lock": die_on(os, "link", 1),
     # creation: after the group's zarr.json, between arrays, before the rename into place
-    "create-first-array": _die_on(zarr.Group, "create_array", 1),
-    "create-third-array": _die_on(zarr.Group, "create_array", 3),
-    "create-rename": _die_on(os, "rename", 1, lambda src, dst: ".creating-" in str(src)),
+    "create-first-array": die_on(zarr.Group, "create_array", 1),
+    "create-third-array": die_on(zarr.Group, "create_array", 3),
+    "create-rename": die_on(os, "rename", 1, lambda src, dst: ".creating-" in str(src)),
     # the final marking: before and after the status is written
-    "before-complete": _die_on(FeatureStore, "update_attrs", 1, _completing),
-    "after-complete": _after(FeatureStore, "update_attrs", _completing),
-    "mid-chunk": _die_on(FeatureStore, "write_chunk", 5),
+    "before-complete": die_on(FeatureStore, "update_attrs", 1, _completing),
+    "after-complete": die_after(FeatureStore, "update_attrs", _completing),
+    "mid-chunk": die_on(FeatureStore, "write_chunk", 5),
 }
 
 
+def _log_store_writes(log: Path, die_at: int | None = None):
+    """For ``before``: append ``store:KEY`` to ``log`` for every object zarr writes (``scratch:KEY`` while
+    the store is built beside its target), and SIGKILL ourselves instead of write number ``die_at``."""
+    from zarr.storage import LocalStore
+
+    original = LocalStore.set
+    written = itertools.count()
+
+    async def logged(self, key, value):
+        where = "scratch" if ".creating-" in str(self.root) else "store"
+        with open(log, "a") as f:
+            f.write(f"{where}:{key}\n")
+        if next(written) == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await original(self, key, value)
+
+    return lambda: setattr(LocalStore, "set", logged)
+
+
+def _assert_holds_only_what_was_written(out: Path, writes: list[str]) -> None:
+    """After a kill: the store is in place only once its skeleton was renamed there; a chunk marked
+    done had its done flag among ``writes`` (the writes before the kill) and holds real features."""
+    assert out.exists() == any(w.startswith("store:") for w in writes)
+    if not out.exists():
+        return
+    group = zarr.open_group(out, mode="r")
+    done = np.flatnonzero(group["done"][:]).tolist()
+    logged = {int(w.rsplit("/", 1)[1]) for w in writes if w.startswith("store:done/c/")}
+    assert set(done) <= logged, (done, logged)
+    features = group["features/heads.conv"][:]
+    for chunk in done:
+        assert not np.isnan(features[chunk * 4 : chunk * 4 + 4]).any(), chunk
+
+
+def _rerun_gives_the_reference(tmp_path: Path, out: Path, reference: Path, name: str) -> None:
+    assert fork_run([*TINY_JOB, "--out", out]) == 0, f"the rerun after the kill at {name} failed"
+    assert_same_store(out, reference)
+    assert not lock_path(out).exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".storm")] == [], "scratch left behind"
+
+
 def test_kill_storm_one_process(tmp_path, reference):
-    """SIGKILL at 20 instants (13 random times spread over a whole run; 7 chosen points: claiming the
-    lock, creation, mid-chunk and the final marking); after each, one rerun of the same command gives the uninterrupted store."""
-    timings = []
-    for _ in range(2):  # the second is warm, like the trials
-        started = time.time()
-        assert fork_run([*TINY_JOB, "--out", tmp_path / "timing.zarr", "--overwrite"]) == 0
-        timings.append(time.time() - started)
-    whole = min(timings)
-    rng = random.Random(11)
-    trials = [(f"t={t:.3f}s", t, None) for t in sorted(rng.uniform(0, whole) for _ in range(13))]
-    trials += [(name, None, before) for name, before in TARGETED.items()]
-    killed = 0
-    for name, at, before in trials:
-        out = tmp_path / "storm.zarr"
+    """SIGKILL at 20 points of a run: 13 spread evenly over the objects zarr writes in a whole run
+    (creation, every chunk, the final marking; counted by a first, uninterrupted run), and 7 chosen
+    calls (claiming the lock, creation, mid-chunk and the final marking). Each kill lands at its
+    point; what it leaves holds nothing marked done that was not written; one rerun of the same
+    command gives the uninterrupted store."""
+    whole = tmp_path / "whole.log"
+    assert fork_run([*TINY_JOB, "--out", tmp_path / "whole.zarr"], before=_log_store_writes(whole)) == 0
+    assert_same_store(tmp_path / "whole.zarr", reference)
+    writes = whole.read_text().splitlines()
+    points = sorted(set(np.linspace(0, len(writes) - 1, 13).round().astype(int).tolist()))
+    assert len(points) == 13 and writes[0].startswith("scratch:") and writes[-1].startswith("store:"), writes
+    out = tmp_path / "storm.zarr"
+    for point in points:
+        name = f"write {point} of {len(writes)}"
         shutil.rmtree(out, ignore_errors=True)
-        first = fork_run([*TINY_JOB, "--out", out], kill_after=at, before=before)
-        killed += first == -signal.SIGKILL
-        assert first in (0, -signal.SIGKILL), name
-        assert fork_run([*TINY_JOB, "--out", out]) == 0, f"the rerun after the kill at {name} failed"
-        assert_same_store(out, reference)
-        assert not lock_path(out).exists()
-        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".storm")] == [], "scratch left behind"
-    assert killed >= 12, f"most kills must land while the job runs ({killed} of 20 did; a run takes {whole:.2f} s)"
+        log = tmp_path / f"write-{point}.log"
+        assert fork_run([*TINY_JOB, "--out", out], before=_log_store_writes(log, die_at=point)) == -signal.SIGKILL
+        logged = log.read_text().splitlines()
+        assert len(logged) == point + 1, f"the kill at {name} landed at write {len(logged) - 1}"
+        _assert_holds_only_what_was_written(out, logged[:-1])  # the last one logged was never written
+        _rerun_gives_the_reference(tmp_path, out, reference, name)
+    for name, before in TARGETED.items():
+        shutil.rmtree(out, ignore_errors=True)
+        assert fork_run([*TINY_JOB, "--out", out], before=before) == -signal.SIGKILL, f"the kill at {name} did not land"
+        _rerun_gives_the_reference(tmp_path, out, reference, name)
 
 
 def _launch(processes, args, out, port):
@@ -392,7 +365,7 @@ def test_a_complete_rerun_checks_presence_before_saying_done(tmp_path, reference
     shutil.copytree(reference, out)
     _chunk_file(out, "features/heads.conv", 2).unlink()
     code, _, err = cli(*TINY_JOB, "--out", out)
-    assert code == 0 and "lost objects (chunk 2: features/heads.conv)" in err and "1 chunks written, 11 reused" in err
+    assert code == 0 and "lost objects (chunk 2: features/heads.conv)" in err and "1 chunk written, 11 reused" in err
     assert_same_store(out, reference)
 
 
@@ -466,14 +439,44 @@ def test_overwrite_no_in_a_job_file_keeps_the_store(tmp_path, reference, cli):
 # --------------------------------------------------------------------------------- one job per store
 
 
+def _meet_at_the_lock(ready: int, go: int):
+    """For ``before``: the first attempt to create the lock says so on the pipe ``ready``, then waits
+    for a byte on the pipe ``go``, so that two jobs try to claim the store at the same instant."""
+    import extract.store.lock
+
+    original = extract.store.lock._create
+    waited = []
+
+    def create(path, record):
+        if not waited:
+            waited.append(True)
+            os.write(ready, b".")
+            os.read(go, 1)
+        return original(path, record)
+
+    return lambda: setattr(extract.store.lock, "_create", create)
+
+
 @pytest.mark.parametrize("second", ["same job", "other seed"])
 def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     out = tmp_path / "race.zarr"
     longer = [*TINY_JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
     jobs = {"first": longer, "second": [*longer, "--seed", "1"] if second == "other seed" else longer}
-    pids = {"first": fork_start([*jobs["first"], "--out", out], stderr=tmp_path / "first.err")}
-    time.sleep(0.1)
-    pids["second"] = fork_start([*jobs["second"], "--out", out], stderr=tmp_path / "second.err")
+    ready_read, ready = os.pipe()
+    go, go_write = os.pipe()
+    try:
+        pids = {
+            name: fork_start([*args, "--out", out], _meet_at_the_lock(ready, go), stderr=tmp_path / f"{name}.err")
+            for name, args in jobs.items()
+        }
+        arrived = b""
+        while len(arrived) < len(pids):  # both are at the lock: let them claim it together
+            assert select.select([ready_read], [], [], EXIT_TIMEOUT)[0], "the jobs did not reach the lock"
+            arrived += os.read(ready_read, len(pids))
+        os.write(go_write, b"." * len(pids))
+    finally:
+        for fd in (ready_read, ready, go, go_write):
+            os.close(fd)
     results = {name: (fork_wait(pid), (tmp_path / f"{name}.err").read_text()) for name, pid in pids.items()}
     winners = [name for name, (code, _) in results.items() if code == 0]
     assert len(winners) == 1, results
@@ -513,11 +516,11 @@ def test_interrupted_overwrite_leaves_old_store_or_nothing(tmp_path, reference):
         out = tmp_path / f"over-{step}.zarr"
         shutil.copytree(reference, out)
         if step == "delete-old":
-            before = _die_on(shutil, "rmtree", 1, lambda path, **k: ".trash-" in str(path))
+            before = die_on(shutil, "rmtree", 1, lambda path, **k: ".trash-" in str(path))
         elif step == "rename-aside":
-            before = _die_on(os, "rename", 1, lambda src, dst: ".trash-" in str(dst))
+            before = die_on(os, "rename", 1, lambda src, dst: ".trash-" in str(dst))
         else:
-            before = _die_on(os, "rename", 1, lambda src, dst: ".creating-" in str(src))
+            before = die_on(os, "rename", 1, lambda src, dst: ".creating-" in str(src))
         assert fork_run([*other, "--out", out, "--overwrite"], before=before) == -signal.SIGKILL
         if step == "rename-into-place":
             assert not out.exists()  # the old store was moved aside, the new one not yet in place
@@ -567,19 +570,25 @@ def test_a_store_still_being_created_is_an_error_not_a_keyerror(tmp_path):
 def test_sigterm_during_start_up_stops_cleanly(tmp_path):
     """A signal while the model is being built (after --out is claimed, before anything is created)."""
     factory = tmp_path / "slow.py"
-    factory.write_text("import time, torch\ndef net():\n    time.sleep(30)\n    return torch.nn.Conv2d(3, 4, 3)\n")
+    building = tmp_path / "building"
+    factory.write_text(
+        f"import pathlib, time, torch\ndef net():\n    pathlib.Path({str(building)!r}).touch()\n"
+        "    time.sleep(30)\n    return torch.nn.Conv2d(3, 4, 3)\n"
+    )
     out = tmp_path / "early.zarr"
     job = fork_start([*TINY_JOB[2:], "--model", f"{factory}:net", "--out", out], stderr=tmp_path / "err")
-    deadline = time.time() + 60
-    while not lock_path(out).exists():
-        assert time.time() < deadline
+    while not building.exists():  # the factory is running
+        assert os.waitpid(job, os.WNOHANG) == (0, 0), (tmp_path / "err").read_text()
         time.sleep(0.01)
-    time.sleep(0.3)
+    assert lock_path(out).exists()
     os.kill(job, signal.SIGTERM)
     assert fork_wait(job) == 128 + signal.SIGTERM
     err = (tmp_path / "err").read_text()
     assert "interrupted by SIGTERM" in err and "Traceback" not in err
-    assert sorted(os.listdir(tmp_path)) in (["err", "slow.py"], ["__pycache__", "err", "slow.py"])
+    assert sorted(os.listdir(tmp_path)) in (
+        ["building", "err", "slow.py"],
+        ["__pycache__", "building", "err", "slow.py"],
+    )
 
 
 def test_sigterm_to_the_process_group_with_workers_keeps_chunks_and_records_the_run(tmp_path):
@@ -607,20 +616,22 @@ def test_sigterm_to_the_process_group_with_workers_keeps_chunks_and_records_the_
 
 def test_a_killed_run_is_recorded_as_killed_after_a_resume(tmp_path, reference):
     out = tmp_path / "k.zarr"
-    assert fork_run([*TINY_JOB, "--out", out], before=_die_on(FeatureStore, "write_chunk", 4)) == -signal.SIGKILL
+    assert fork_run([*TINY_JOB, "--out", out], before=die_on(FeatureStore, "write_chunk", 4)) == -signal.SIGKILL
     assert fork_run([*TINY_JOB, "--out", out]) == 0
     runs = zarr.open_group(out, mode="r").attrs["runs"]
     assert [r["status"] for r in runs] == ["killed", "complete"]
 
 
 def test_disk_full_during_creation_is_one_line_and_leaves_nothing(tmp_path, cli, monkeypatch):
-    real = FeatureStore._build
+    from extract.store.store import _Skeleton
 
-    def full(path, *args):
-        real(path, *args)
+    real = _Skeleton.build
+
+    def full(skeleton, path, attrs):
+        real(skeleton, path, attrs)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(FeatureStore, "_build", staticmethod(full))
+    monkeypatch.setattr(_Skeleton, "build", full)
     out = tmp_path / "full.zarr"
     code, _, err = cli(*TINY_JOB, "--out", out)
     assert code == 2 and "No space left on device" in one_line_error(err)

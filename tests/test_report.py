@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from extract import open_features
+from extract import ExtractError, open_features
 from extract.analysis import figures
-from extract.analysis.report import main
+from extract.analysis.report import ReportConfig, build_report
+from extract.cli.report import main
 
 IMAGES = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" width="(\d+)" height="(\d+)" alt="([^"]*)"')
 
@@ -114,7 +115,7 @@ def test_thumbnails_are_found_where_the_source_said_its_images_live(cli, png_tre
 
 
 def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_store, tmp_path, capsys, monkeypatch):
-    from extract.analysis.probe import main as probe_main
+    from extract.cli.probe import main as probe_main
 
     accuracies = tmp_path / "knn.json"
     assert probe_main([str(folder_store), "--method", "knn", "--json", str(accuracies)]) == 0
@@ -122,6 +123,13 @@ def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_st
     assert main([str(folder_store), "--out", str(out), "--probe-json", str(accuracies)]) == 0
     assert "<th>layer</th><th>knn</th>" in out.read_text()
     capsys.readouterr()
+    # the library takes the same settings as a typed config
+    report = build_report(folder_store, ReportConfig(layers=["layer3", "layer4"], probe_json=[accuracies], queries=2))
+    assert report.table[0] == ["layer", "knn"] and [row[0] for row in report.table[1:]] == ["layer3", "layer4"]
+    assert report.figures[2].title == "PCA of layer4 (13 samples)"
+    grid = report.figures[3]  # 2 queries, each with the default 6 neighbours
+    assert (grid.width, grid.height) == pixels(figures.neighbours_size(2, 7))
+    assert any(note.startswith("neighbour queries") and note.count(", ") == 1 for note in report.notes)
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     assert main([str(folder_store), "--out", str(tmp_path / "none.html")]) == 2
@@ -130,6 +138,14 @@ def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_st
         err == "extract.report: error: figures need matplotlib, which is not installed: pip install 'extract[report]'\n"
     )
     assert not (tmp_path / "none.html").exists()
+
+
+def test_report_config_is_checked_when_made():
+    message = "--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive"
+    for settings in ({"max_samples": 9}, {"pca_samples": 5}, {"queries": 0}, {"neighbours": 0}):
+        with pytest.raises(ExtractError, match=message):
+            ReportConfig(**settings)
+    assert ReportConfig().max_samples == 5000
 
 
 def test_tick_labels_drop_the_prefix_every_layer_shares():

@@ -285,6 +285,30 @@ def test_lock_of_another_host(cli, tmp_path):
     assert not lock.exists()
 
 
+def test_the_next_holder_sweeps_what_killed_claims_and_creations_left(cli, tmp_path):
+    out = tmp_path / "swept.zarr"
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid of this host that no longer runs
+    record = lock_path(out).name
+    debris = {
+        f".{record}-{socket.gethostname()}-{dead.pid}": "swept",  # a claimer of this host, dead
+        f".{record}-node-17-4242": "kept",  # another host's, young: maybe mid-claim
+        f".{record}-node-17-4343": "swept",  # another host's, a minute old
+        f".{out.name}.creating-{dead.pid}": "swept",
+        f".{out.name}.trash-{dead.pid}": "swept",
+    }
+    for name in debris:
+        if ".lock-" in name:
+            (tmp_path / name).write_text("{}")
+        else:
+            (tmp_path / name).mkdir()
+    old = time.time() - 120
+    os.utime(tmp_path / f".{record}-node-17-4343", (old, old))
+    code, _, err = cli(*SMALL, "--data", "synthetic:4", "--out", out)
+    assert code == 0, err
+    assert {name: "kept" if (tmp_path / name).exists() else "swept" for name in debris} == debris
+
+
 def test_resuming_on_changed_files_is_refused_and_overwrite_recomputes(cli, tmp_path):
     root = tmp_path / "images"
     make_png_tree(root, {"a": 3, "b": 3})

@@ -81,3 +81,10 @@ def test_ddp_loop_with_two_processes(tmp_path):
         assert sorted(seen[0] + seen[1]) == list(range(n))
         assert not chunks_of(seen[0], chunk) & chunks_of(seen[1], chunk)
     assert record["same_weights"]
+
+
+def test_a_small_store_still_gets_full_batches_with_workers():
+    sampler = ChunkShuffleSampler(256, 32, batch_size=256, num_workers=2)
+    assert [len(batch) for batch in sampler] == [256] and len(sampler) == 1
+    sampler = ChunkShuffleSampler(1024, 32, batch_size=256, num_workers=2)
+    assert [len(batch) for batch in sampler] == [256] * 4  # two streams, each of whole batches

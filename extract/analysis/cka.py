@@ -1,14 +1,15 @@
 """Layer similarity: linear CKA between every pair of layers of one store, or of two stores.
 
-    python -m extract.compare A.zarr[:LAYERS] [B.zarr[:LAYERS]] [--heatmap cka.png] [--json cka.json]
+    compare("A.zarr", "B.zarr:layer3,layer4", max_samples=10_000)   # a CKA: matrix, layer names, samples
 
-LAYERS is a comma-separated list of names or globs (``encoder.layers.*``). Two stores are compared
-over the samples they share, matched by their ``keys`` (by row index when a store has no keys and
-both have the same N, which is said).
+(``python -m extract.compare``, in ``extract.cli.compare``, is the command over ``compare``.) Each
+store may name its LAYERS after a colon, a comma-separated list of names or globs (``encoder.layers.*``).
+Two stores are compared over the samples they share, matched by their ``keys`` (by row index when a
+store has no keys and both have the same N, which is said).
 
 The estimator is minibatch CKA (Nguyen, Raghu and Kornblith, 2021): the unbiased HSIC estimator of
 Song et al. (2012), summed over minibatches, CKA = sum HSIC(K, L) / sqrt(sum HSIC(K, K) sum HSIC(L, L)).
-Memory holds one window of chunks of every layer (about 512 MiB unless ``--window`` says how many
+Memory holds one window of chunks of every layer (about 512 MiB unless ``window`` says how many
 chunks) and one minibatch's Gram matrices per layer, whatever N is; each chunk is read once. The
 minibatches are drawn from windows of randomly chosen chunks (a store in class order must not give
 one-class minibatches, which would measure within-class similarity only).
@@ -16,9 +17,6 @@ one-class minibatches, which would measure within-class similarity only).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,12 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cli.base import Parser, write_output
 from ..errors import ExtractError
 from ..read.features import Features, open_features
 from .samples import default_pool, select_layers
 
-# One window of chunks, every layer read, takes about this much memory (float32) unless --window says.
+# One window of chunks, every layer read, takes about this much memory (float32) unless ``window`` says.
 WINDOW_BYTES = 512 * 2**20
 
 
@@ -251,60 +248,3 @@ def format_matrix(cka: CKA) -> str:
     for name, values in zip(cka.rows, cka.matrix, strict=True):
         lines.append(name.ljust(head) + "  " + "  ".join(f"{v:.3f}".rjust(width) for v in values))
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m extract.compare", description="Linear CKA between the layers of one store or two.")
-    p.add_argument("first", metavar="A.zarr[:LAYERS]", help="a store, optionally with comma-separated layers or globs")
-    p.add_argument(
-        "second",
-        nargs="?",
-        metavar="B.zarr[:LAYERS]",
-        help="a second store: compare A's layers with B's over shared keys",
-    )
-    p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
-    p.add_argument("--batch-size", type=int, default=1024, help="samples per CKA minibatch (default 1024)")
-    p.add_argument(
-        "--window", type=int, help="chunks read together and mixed into minibatches (default: as many as 512 MiB hold)"
-    )
-    p.add_argument("--max-samples", type=int, help="use this many samples drawn at random (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the minibatches (default 0)")
-    p.add_argument("--device", help="cpu | cuda[:N] (default: a GPU if there is one)")
-    p.add_argument("--heatmap", metavar="PNG", help="also draw the matrix as a heatmap (needs extract[report])")
-    p.add_argument("--json", metavar="FILE", help="also write the matrix to FILE as JSON")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from .probe import resolve_device
-
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        if (args.window is not None and args.window < 1) or (args.max_samples is not None and args.max_samples < 4):
-            raise ExtractError("--window must be positive and --max-samples at least 4")
-        if args.heatmap:
-            from .figures import _pyplot
-
-            _pyplot()  # a missing matplotlib fails before the work, not after it
-        cka = compare(
-            args.first, args.second, pool=args.pool, batch_size=args.batch_size, window=args.window,
-            max_samples=args.max_samples, seed=args.seed, device=resolve_device(args.device),
-        )  # fmt: skip
-        print(f"linear CKA (minibatch, unbiased; {cka.num_samples} samples, {cka.matched})")
-        print(format_matrix(cka))
-        if args.heatmap:
-            from .figures import cka_heatmap, save
-
-            save(cka_heatmap(cka), args.heatmap)
-        if args.json:
-            record = {"rows": cka.rows, "cols": cka.cols, "cka": cka.matrix.tolist(), "num_samples": cka.num_samples,
-                      "matched": cka.matched}  # fmt: skip
-            write_output("--json", args.json, json.dumps(record, indent=2) + "\n")
-    except ExtractError as e:
-        print(f"extract.compare: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,6 +42,11 @@ def _pyplot() -> Any:
     return plt
 
 
+def require_matplotlib() -> None:
+    """Fail now, naming the extra to install, when matplotlib is missing: before the work, not after it."""
+    _pyplot()
+
+
 def _render(fig: Any, title: str) -> Png:
     plt = _pyplot()
     buffer = io.BytesIO()

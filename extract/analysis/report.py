@@ -1,11 +1,13 @@
 """One self-contained HTML page about a store, with its figures embedded as PNGs.
 
-    python -m extract.report STORE [--out report.html] [--layers L ...] [--max-samples 5000]
+    build_report(store, ReportConfig(layers=["layer*"], max_samples=5000)).html()
+
+(``python -m extract.report``, in ``extract.cli.report``, is the command over ``build_report``.)
 
 - probe accuracy per layer in model order (k-NN and linear, on a seeded split of up to
-  ``--max-samples`` samples; or read from ``python -m extract.probe --json`` files);
+  ``max_samples`` samples; or read from ``python -m extract.probe --json`` files);
 - the linear CKA heatmap between the layers;
-- a 2-D PCA of one layer (``--pca-layer``, default the deepest) coloured by class;
+- a 2-D PCA of one layer (``pca_layer``, default the deepest) coloured by class;
 - for a few query samples whose image files can be found from the store's keys, their nearest
   neighbours as thumbnails (skipped, with a note, when the store has no keys or the files moved).
 
@@ -14,11 +16,10 @@ Needs matplotlib: ``pip install 'extract[report]'``.
 
 from __future__ import annotations
 
-import argparse
 import base64
+import dataclasses
 import html
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +29,36 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..cli.base import Parser, write_output
 from ..errors import ExtractError
 from ..read.features import Features, open_features
 from . import figures
 from .cka import Side, keys_and_classes, minibatch_cka
-from .probe import probe_rows, resolve_device, split
+from .probe import ProbeOptions, probe_rows, resolve_device, split
 from .samples import Samples, default_pool, labelled_rows, select_layers
 
 THUMBNAIL = 96  # pixels, the longer side
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """What the report shows and from how many samples (the flags of ``python -m extract.report``);
+    checked when made."""
+
+    layers: Sequence[str] | None = None  # names or globs; None: every stored layer
+    pca_layer: str | None = None  # the layer of the PCA and neighbour figures; None: the deepest
+    probe_json: Sequence[str | Path] = ()  # accuracies from ``extract.probe --json`` instead of probing here
+    max_samples: int = 5000  # drawn at random, for the probes and CKA
+    pca_samples: int = 2000
+    queries: int = 4  # query samples with neighbour thumbnails
+    neighbours: int = 6  # shown per query
+    seed: int = 0
+    device: str | torch.device | None = None  # None: a GPU if there is one
+
+    def __post_init__(self) -> None:
+        if min(self.max_samples, self.pca_samples) < 10 or self.queries < 1 or self.neighbours < 1:
+            raise ExtractError(
+                "--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive"
+            )
 
 
 @dataclass
@@ -112,10 +134,10 @@ def _class_name(label: int, classes: list[str] | None) -> str:
 
 
 def _accuracy_figures(
-    report: Report, features: Features, layers: list[str], rows: np.ndarray, args: argparse.Namespace
+    report: Report, features: Features, layers: list[str], rows: np.ndarray, config: ReportConfig
 ) -> None:
     accuracies: dict[str, dict[str, float]] = {}
-    for path in args.probe_json or []:
+    for path in config.probe_json:
         try:
             record = json.loads(Path(path).read_text())
             accuracies.setdefault(record["layers"][0]["method"], {}).update(
@@ -124,18 +146,16 @@ def _accuracy_figures(
         except (OSError, ValueError, KeyError, IndexError) as e:
             raise ExtractError(f"--probe-json {path}: not a file written by extract.probe --json ({e})") from None
     num_classes = int(features.labels.max()) + 1
-    if not args.probe_json:
+    if not config.probe_json:
         labelled = np.intersect1d(rows, labelled_rows(features))
         if len(labelled) < 10:
             report.notes.append("probe accuracy skipped: fewer than 10 labelled samples")
             return
-        train, test = split(labelled, 0.2, args.seed)
-        how = f"{len(train)} train / {len(test)} test samples, seed {args.seed}"
+        train, test = split(labelled, 0.2, config.seed)
+        how = f"{len(train)} train / {len(test)} test samples, seed {config.seed}"
         for method in ("knn", "linear"):
-            records = probe_rows(
-                features, train, features, test, layers, how=how, method=method, seed=args.seed, device=args.device,
-                log=lambda line: None,
-            )  # fmt: skip
+            options = ProbeOptions(method=method, seed=config.seed, device=config.device)
+            records = probe_rows(features, train, features, test, layers, options, how=how, log=lambda line: None)
             accuracies[method if method == "linear" else "k-NN (k 20, T 0.07)"] = {
                 layer: r["test_accuracy"] for layer, r in records.items()
             }
@@ -147,14 +167,12 @@ def _accuracy_figures(
     report.figures.append(figures.accuracy_curve(accuracies, layers, 1 / max(1, num_classes)))
 
 
-def _cka_figure(
-    report: Report, features: Features, layers: list[str], rows: np.ndarray, args: argparse.Namespace
-) -> None:
+def _cka_figure(report: Report, features: Features, layers: list[str], rows: np.ndarray, config: ReportConfig) -> None:
     if len(layers) < 2:
         report.notes.append("CKA heatmap skipped: one layer only")
         return
     pools = {layer: default_pool(features, layer) for layer in layers}
-    cka = minibatch_cka(Side(features, layers, pools, rows), seed=args.seed, device=args.device)
+    cka = minibatch_cka(Side(features, layers, pools, rows), seed=config.seed, device=config.device)
     report.figures.append(figures.cka_heatmap(cka, f"Linear CKA between layers ({cka.num_samples} samples)"))
 
 
@@ -168,7 +186,7 @@ def _pca_figure(report: Report, samples: Samples, classes: list[str] | None) -> 
     report.figures.append(figures.pca_scatter(points, samples.labels, names, variance, samples.layer))
 
 
-def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace) -> None:
+def _neighbour_figure(report: Report, samples: Samples, config: ReportConfig) -> None:
     keys, classes = keys_and_classes(samples.features)
     root = image_root(samples.features.attrs)
     if keys is None:
@@ -187,14 +205,14 @@ def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace
         report.notes.append(f"nearest-neighbour thumbnails skipped: the image files are not under {root} any more")
         return
     values = torch.nn.functional.normalize(samples.load(), dim=1)
-    rng = np.random.default_rng((args.seed, 4))
-    queries = rng.choice(np.flatnonzero(found), min(args.queries, int(found.sum())), replace=False)
+    rng = np.random.default_rng((config.seed, 4))
+    queries = rng.choice(np.flatnonzero(found), min(config.queries, int(found.sum())), replace=False)
     grid = []
     for query in queries:
         similarity = values @ values[query]
         similarity[query] = -np.inf
         similarity[torch.from_numpy(~found)] = -np.inf
-        order = similarity.argsort(descending=True)[: args.neighbours].tolist()
+        order = similarity.argsort(descending=True)[: config.neighbours].tolist()
         label = int(samples.labels[query])
         row = [(thumbnail(files[query]), f"query: {_class_name(label, classes)}")]
         row += [
@@ -207,16 +225,19 @@ def _neighbour_figure(report: Report, samples: Samples, args: argparse.Namespace
     report.notes.append(f"neighbour queries (under {root}): {', '.join(str(keys[samples.rows[q]]) for q in queries)}")
 
 
-def build_report(store: str | Path, args: argparse.Namespace) -> Report:
-    figures._pyplot()  # a missing matplotlib stops here, before any work
+def build_report(store: str | Path, config: ReportConfig | None = None) -> Report:
+    """The report on ``store``: its figures and notes, ready for ``Report.html()``."""
+    config = config or ReportConfig()
+    config = dataclasses.replace(config, device=resolve_device(config.device))
+    figures.require_matplotlib()  # a missing matplotlib stops here, before any work
     features = open_features(store)
-    layers = select_layers(features.layers, args.layers, store=features.path)
-    pca_layer = args.pca_layer or layers[-1]
+    layers = select_layers(features.layers, config.layers, store=features.path)
+    pca_layer = config.pca_layer or layers[-1]
     select_layers(features.layers, [pca_layer], store=features.path)
     valid = np.flatnonzero(features.valid)
     rows = valid
-    if len(valid) > args.max_samples:
-        rows = np.sort(np.random.default_rng((args.seed, 5)).choice(valid, args.max_samples, replace=False))
+    if len(valid) > config.max_samples:
+        rows = np.sort(np.random.default_rng((config.seed, 5)).choice(valid, config.max_samples, replace=False))
     attrs = features.attrs
     report = Report(
         f"extract report: {Path(store).name}",
@@ -224,54 +245,13 @@ def build_report(store: str | Path, args: argparse.Namespace) -> Report:
          ("dataset", str(attrs.get("dataset"))), ("samples", f"{features.num_samples} ({len(rows)} used here)"),
          ("layers", ", ".join(layers))],
     )  # fmt: skip
-    _accuracy_figures(report, features, layers, rows, args)
-    _cka_figure(report, features, layers, rows, args)
+    _accuracy_figures(report, features, layers, rows, config)
+    _cka_figure(report, features, layers, rows, config)
     _, classes = keys_and_classes(features)
     pca_rows = rows
-    if len(rows) > args.pca_samples:
-        pca_rows = np.sort(np.random.default_rng((args.seed, 6)).choice(rows, args.pca_samples, replace=False))
+    if len(rows) > config.pca_samples:
+        pca_rows = np.sort(np.random.default_rng((config.seed, 6)).choice(rows, config.pca_samples, replace=False))
     pca_samples = Samples(features, pca_layer, default_pool(features, pca_layer), pca_rows)
     _pca_figure(report, pca_samples, classes)
-    _neighbour_figure(report, pca_samples, args)
+    _neighbour_figure(report, pca_samples, config)
     return report
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m extract.report", description="An HTML report with figures about a store.")
-    p.add_argument("store", help="a complete extract store")
-    p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
-    p.add_argument("--layers", nargs="+", metavar="L", help="layers or globs (default: all)")
-    p.add_argument("--pca-layer", metavar="L", help="the layer of the PCA and neighbour figures (default: the deepest)")
-    p.add_argument(
-        "--probe-json", nargs="+", metavar="FILE", help="accuracies from extract.probe --json instead of probing here"
-    )
-    p.add_argument(
-        "--max-samples", type=int, default=5000, help="samples (drawn at random) the probes and CKA use (default 5000)"
-    )
-    p.add_argument("--pca-samples", type=int, default=2000, help="samples in the PCA plot (default 2000)")
-    p.add_argument("--queries", type=int, default=4, help="query samples with neighbour thumbnails (default 4)")
-    p.add_argument("--neighbours", type=int, default=6, help="neighbours shown per query (default 6)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the samples drawn (default 0)")
-    p.add_argument("--device", help="cpu | cuda[:N] (default: a GPU if there is one)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        if min(args.max_samples, args.pca_samples) < 10 or args.queries < 1 or args.neighbours < 1:
-            raise ExtractError(
-                "--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive"
-            )
-        args.device = resolve_device(args.device)
-        report = build_report(args.store, args)
-        write_output("--out", args.out, report.html())
-        print(f"{args.out}: {len(report.figures)} figures" + "".join(f"; {n}" for n in report.notes))
-    except ExtractError as e:
-        print(f"extract.report: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

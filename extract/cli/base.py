@@ -1,12 +1,25 @@
-"""What every command shares: a parser whose errors are one line, and the writer of output files."""
+"""What every command shares: a parser whose errors are one line, the wrapper that turns a command's
+exceptions into one line and an exit status, and the writer of output files.
+
+This module imports nothing of the extraction pipeline: the analysis commands use it too, and must
+not load the job, the writer or the lock. What only extraction can raise (``Interrupted``,
+``WriterError``) is handled by the failures ``extract.cli.extract`` passes to ``command``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, ParamSpec
 
 from ..errors import ExtractError
+
+P = ParamSpec("P")
+# (the command's name, the exception) -> the exit status; the handler prints its own line, if any
+Failure = Callable[[str, Any], int]
 
 
 class Parser(argparse.ArgumentParser):
@@ -14,6 +27,36 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ExtractError(f"{message} (see --help)")
+
+
+def say(prog: str, text: str) -> None:
+    """``PROG: TEXT`` as one line on stderr, flushed at once (ranks and launchers interleave stderr)."""
+    print(f"{prog}: {text}", file=sys.stderr, flush=True)
+
+
+def command(
+    prog: str, failures: Mapping[type[BaseException], Failure] | None = None
+) -> Callable[[Callable[P, int]], Callable[P, int]]:
+    """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` and exit status 2;
+    an exception of a type in ``failures`` goes to the first handler (in order) whose type it is;
+    anything else propagates with its traceback, since it is a bug rather than bad input."""
+    failures = dict(failures or {})
+
+    def wrap(main: Callable[P, int]) -> Callable[P, int]:
+        @functools.wraps(main)
+        def run(*args: P.args, **kwargs: P.kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except ExtractError as e:  # first: a typed error may also be an OSError or a KeyError
+                say(prog, f"error: {e}")
+                return 2
+            except tuple(failures) as e:
+                handle = next(handle for kind, handle in failures.items() if isinstance(e, kind))
+                return handle(prog, e)
+
+        return run
+
+    return wrap
 
 
 def write_output(flag: str, path: str | Path, text: str) -> None:

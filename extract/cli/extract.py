@@ -17,9 +17,9 @@ from ..errors import ExtractError
 from ..job.interrupt import Interrupted
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
-from ..store.store import COMPRESSORS
+from ..store.schema import COMPRESSORS
 from ..store.writer import WriterError
-from .base import Parser
+from .base import Failure, Parser, command, say
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,41 +147,53 @@ def parse_spec(argv: Sequence[str]) -> tuple[JobSpec, bool]:
     return spec, args.list_layers
 
 
+def _interrupted(prog: str, e: Interrupted) -> int:
+    if not e.quiet:
+        say(prog, str(e))
+    return e.exit_code
+
+
+def _writer_failed(prog: str, e: WriterError) -> int:
+    say(prog, f"error: {e}; {UNMARKED}")
+    return 1
+
+
+def _reader_left(prog: str, e: BrokenPipeError) -> int:
+    """``--list-layers | head``: the reader left, which is fine; nothing more may reach the closed pipe."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _filesystem_failed(prog: str, e: OSError) -> int:
+    """The filesystem failed under the run (full, remounted read-only): one line, no traceback."""
+    where = f" ({e.filename})" if e.filename else ""
+    say(prog, f"error: {e.strerror or e}{where}; {UNMARKED}")
+    return 1
+
+
+def _keyboard_interrupt(prog: str, e: KeyboardInterrupt) -> int:
+    say(prog, "interrupted; rerun the same command to resume")
+    return 130
+
+
+UNMARKED = "chunks not fully written are not marked done, a rerun redoes them"
+# in this order: a BrokenPipeError is an OSError, and is no failure
+EXTRACTION_FAILURES: dict[type[BaseException], Failure] = {
+    Interrupted: _interrupted,
+    WriterError: _writer_failed,
+    BrokenPipeError: _reader_left,
+    OSError: _filesystem_failed,
+    KeyboardInterrupt: _keyboard_interrupt,
+}
+
+
+@command("extract", EXTRACTION_FAILURES)
 def main(argv: Sequence[str] | None = None) -> int:
     from ..job.runner import print_layers, run
 
-    try:
-        spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)
-        if only_list:
-            print_layers(spec)
-        else:
-            run(spec)
-    except ExtractError as e:
-        print(f"extract: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except Interrupted as e:
-        if not e.quiet:
-            print(f"extract: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except WriterError as e:
-        print(
-            f"extract: error: {e}; chunks not fully written are not marked done, a rerun redoes them",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    except BrokenPipeError:  # `--list-layers | head`: the reader left, which is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except OSError as e:  # the filesystem failed under the run (full, remounted read-only): no traceback
-        where = f" ({e.filename})" if e.filename else ""
-        print(
-            f"extract: error: {e.strerror or e}{where}; chunks not fully written are not marked done, a rerun redoes them",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    except KeyboardInterrupt:
-        print("extract: interrupted; rerun the same command to resume", file=sys.stderr, flush=True)
-        return 130
+    spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)
+    if only_list:
+        print_layers(spec)
+    else:
+        run(spec)
     return 0

@@ -8,8 +8,6 @@ images live in. The listing is made once per job (rank 0, or split across ranks)
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from ..errors import ExtractError
@@ -27,10 +25,11 @@ __all__ = [
     "Source",
     "SyntheticImages",
     "build_dataset",
-    "keep_index",
-    "kept_index",
+    "reuses_index",
+    "saved_indexes",
 ]
-SAVED_INDEX = "wds-index.json.gz"  # in the store: the shard index, so that a resume does not rescan
+SAVED_INDEX = "wds"  # the shard index's name in the store (``index/wds``), so that a resume does not rescan
+LEGACY_SAVED_INDEX = "wds-index.json.gz"  # where stores made before kept it: a file inside the zarr hierarchy
 
 
 def build_dataset(
@@ -56,22 +55,15 @@ def build_dataset(
     return source
 
 
-def kept_index(out: Path, identity: dict[str, Any] | None, spec: str, options: DataOptions) -> bytes | None:
-    """The index kept in the store at ``out`` when that store was made from the same ``--data``."""
-    same = identity is not None and all(
+def reuses_index(identity: dict[str, Any] | None, spec: str, options: DataOptions) -> bool:
+    """Whether an index kept with a store made for ``identity`` lists the same ``--data`` as ``spec``."""
+    return identity is not None and all(
         identity.get(k) == v
         for k, v in (("data", spec), ("image_key", options.image_key), ("label_key", options.label_key))
     )
-    try:
-        return (out / SAVED_INDEX).read_bytes() if same else None
-    except OSError:
-        return None
 
 
-def keep_index(out: Path, source: Source) -> None:
-    """Write the source's index (shards only) into the store, atomically."""
+def saved_indexes(source: Source) -> dict[str, bytes]:
+    """The listings ``source`` can keep with the store, by name (shards: their index)."""
     blob = source.saved_index() if hasattr(source, "saved_index") else None
-    if blob is not None:
-        partial = out / f"{SAVED_INDEX}.partial"
-        partial.write_bytes(blob)
-        os.replace(partial, out / SAVED_INDEX)
+    return {SAVED_INDEX: blob} if blob is not None else {}

@@ -80,8 +80,9 @@ class StoreLife:
             if not self.out.is_dir():
                 raise e if isinstance(e, ExtractError) else ExtractError(f"--out {self.out}: {e}") from None
             self.read_only = True
-        if self.lock is not None:
-            sweep_scratch(self.out)  # what a killed creation or overwrite left beside the store
+        if self.lock is not None:  # what a killed claim, creation or overwrite left beside the store
+            self.lock.sweep()
+            sweep_scratch(self.out)
         return check_out_path(self.out)  # read again, now that nobody else can change it
 
     def _release(self) -> None:

@@ -1,13 +1,14 @@
-"""Which samples go in which chunk, and which rank writes which chunks."""
+"""Which samples go in which chunk, and which rank writes which chunks (the geometry itself, ``Plan``,
+is the store's: ``extract.store.chunks``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 from torch.utils.data import Sampler
+
+from ..store.chunks import Plan
 
 CHUNK_TARGET_BYTES = 16 * 2**20
 MAX_CHUNK_SIZE = 1024
@@ -24,25 +25,6 @@ def default_chunk_size(num_samples: int, bytes_per_sample: int, world_size: int 
     size = min(MAX_CHUNK_SIZE, 2 ** int(math.log2(fit)))
     steps = max(4 * world_size, MIN_STEPS if num_samples >= MIN_STEPS_FROM else 1)
     return max(1, min(size, num_samples // steps))
-
-
-@dataclass(frozen=True)
-class Plan:
-    """N samples in K = ceil(N / C) chunks of C samples; the last may be short."""
-
-    num_samples: int
-    chunk_size: int
-
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.num_samples // self.chunk_size)
-
-    def bounds(self, chunk: int) -> tuple[int, int]:
-        start = chunk * self.chunk_size
-        return start, min(start + self.chunk_size, self.num_samples)
-
-    def samples_in(self, chunks: Sequence[int]) -> int:
-        return sum(stop - start for start, stop in map(self.bounds, chunks))
 
 
 def assign(chunks: Sequence[int], world_size: int) -> list[list[int]]:
@@ -82,13 +64,3 @@ class ChunkBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return -(-self.plan.samples_in(self.chunks) // self.batch_size)
-
-
-def chunk_segments(indices: np.ndarray, chunk_size: int) -> Iterator[tuple[int, int, int]]:
-    """Split a sorted batch of sample indices into (chunk, first row, end row) runs."""
-    chunk_ids = indices // chunk_size
-    edges = np.flatnonzero(np.diff(chunk_ids)) + 1
-    starts = [0, *edges.tolist()]
-    ends = [*edges.tolist(), len(indices)]
-    for start, end in zip(starts, ends, strict=True):
-        yield int(chunk_ids[start]), start, end

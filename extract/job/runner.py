@@ -1,4 +1,5 @@
-"""One extraction job, top to bottom: spec → model/data → layers → store → loop → finish."""
+"""One extraction job, top to bottom: spec → model and layers → data → plan → schema → store → loop →
+finish. ``run`` reads as that list; each stage is one function below it."""
 
 from __future__ import annotations
 
@@ -25,21 +26,23 @@ from ..capture.hooks import Capture, Edit
 from ..capture.layers import LayerRef, resolve_layers
 from ..capture.setup import LayerSetup, list_layers, setup_layers
 from ..capture.staging import HostStaging
-from ..data import DataOptions, Source, build_dataset, keep_index, kept_index
+from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, DataOptions, Source, build_dataset, reuses_index, saved_indexes
 from ..data.gpu_decode import GpuDecoder, collate_encoded
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
-from ..store.store import FeatureStore, codecs
+from ..store.chunks import Plan
+from ..store.schema import JobParts, codecs
+from ..store.store import FeatureStore, saved_index
 from ..store.writer import ChunkWriter
 from .dist import process_state
 from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
 from .lifecycle import StoreLife
-from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
+from .memory import keep_freed_memory
+from .plan import ChunkBatchSampler, assign, default_chunk_size
 from .progress import JobProgress
-from .spec import JobSpec, fingerprint
+from .spec import JobSpec
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-TOP_LEVEL = ("model", "weights", "preprocessing", "num_samples", "chunk_size", "dtype", "precision", "pool")
 Log = Callable[[str], None]
 
 
@@ -76,7 +79,7 @@ class Summary:
         skipped = f"; {self.invalid} bad images skipped (valid=False)" if self.invalid else ""
         return (
             f"extract: {self.samples} samples in {self.seconds:.1f} s ({self.images_per_second:.1f} img/s); "
-            f"{self.chunks_written} chunks written, {self.chunks_reused} reused; "
+            f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
             f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
         )
 
@@ -122,24 +125,46 @@ def print_layers(spec: JobSpec, out: Log = print) -> None:
 
 
 @dataclass
+class _Model:
+    """Stage 1: the model on its device, with its layers resolved, validated and set up."""
+
+    loaded: LoadedModel
+    module: nn.Module
+    refs: list[LayerRef]
+    layers: LayerSetup
+    preprocessing: dict[str, Any]  # the record of the model's own transform
+    precision: str
+    autocast: Any
+    memory_format: torch.memory_format
+
+
+@dataclass
+class _Data:
+    """Stage 2: the data listed once, and how its images are decoded."""
+
+    dataset: Source
+    gpu_decoder: GpuDecoder | None = None
+    notes: list[str] = field(default_factory=list)  # logged by rank 0 before the loop
+
+
+@dataclass
 class _Job:
-    """What every rank has agreed on before the loop starts."""
+    """What every rank has agreed on before the loop starts: the stages' results and the store's attributes."""
 
     spec: JobSpec
     state: PartialState
-    model: nn.Module
-    refs: list[LayerRef]
-    loaded: LoadedModel
-    layers: LayerSetup
-    dataset: Source
-    shapes: dict[str, tuple[int, ...]]
+    model: _Model
+    data: _Data
     plan: Plan
-    identity: dict[str, Any]
     attrs: dict[str, Any]
-    autocast: Any
-    memory_format: torch.memory_format
-    gpu_decoder: GpuDecoder | None = None
-    notes: list[str] = field(default_factory=list)  # logged by rank 0 before the loop
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.model.layers.shapes
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return self.attrs["identity"]
 
     @property
     def sample_bytes(self) -> int:
@@ -147,148 +172,124 @@ class _Job:
 
 
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
-    """Model, data, layers and plan: everything that can be refused is checked here, before writing.
+    """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
+    codecs(spec.compressor)  # an unknown --compressor is refused before the model is built
+    model = _model_and_layers(spec, state.device)
+    data = _data(spec, state, existing, model)
+    plan = _plan(spec, state, existing, len(data.dataset), model.layers.shapes)
+    return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan).attributes())
 
-    Without ``--chunk-size`` a store being resumed keeps its chunk size: the default depends on the
-    number of processes, which may differ from the first run's."""
-    device = state.device
+
+def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
     autocast = _autocast(device, precision)
-    codecs(spec.compressor)
     loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
-    model = loaded.model.to(device, memory_format=memory_format)
-    refs = resolve_layers(model, spec.layers, loaded.aliases)
+    module = loaded.model.to(device, memory_format=memory_format)
+    refs = resolve_layers(module, spec.layers, loaded.aliases)
     example = loaded.example(2, device).to(memory_format=memory_format)
-    layers = setup_layers(loaded, model, refs, spec.pool, spec.layout, example, autocast)
-    shapes = layers.shapes
-    options = DataOptions(spec.image_key, spec.label_key, spec.decode, spec.exif_transpose)
-    preprocessing = loaded.preprocessing
-    kept = None if spec.overwrite else kept_index(Path(spec.out), (existing or {}).get("identity"), spec.data, options)
-    side = max(loaded.input_size)
-    dataset = build_dataset(
-        spec.data, loaded.preprocess, side, options, preprocessing=preprocessing, ranks=state, saved_index=kept
-    )
-    notes = [f"extract: using the shard index kept in {spec.out} (no rescan)"] if kept is not None else []
-    gpu_decoder = None
-    if spec.decode == "nvjpeg":
-        gpu_decoder = GpuDecoder(dataset.decoding, preprocessing, device, side, dataset.describe)
-        notes.append(
-            f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {gpu_decoder.how}"
-        )
+    layers = setup_layers(loaded, module, refs, spec.pool, spec.layout, example, autocast)
+    return _Model(loaded, module, refs, layers, loaded.preprocessing, precision, autocast, memory_format)
 
-    num_samples = len(dataset)
+
+def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, model: _Model) -> _Data:
+    """The data source, listed once (or read from the index kept with the store being resumed)."""
+    options = DataOptions(spec.image_key, spec.label_key, spec.decode, spec.exif_transpose)
+    identity = (existing or {}).get("identity")
+    reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
+    index = saved_index(Path(spec.out), SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
+    loaded, side = model.loaded, max(model.loaded.input_size)
+    dataset = build_dataset(
+        spec.data, loaded.preprocess, side, options, preprocessing=model.preprocessing, ranks=state, saved_index=index
+    )
+    data = _Data(dataset)
+    if index is not None:
+        data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
+    if spec.decode == "nvjpeg":
+        device = state.device
+        data.gpu_decoder = GpuDecoder(dataset.decoding, model.preprocessing, device, side, dataset.describe)
+        data.notes.append(
+            f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {data.gpu_decoder.how}"
+        )
+    return data
+
+
+def _plan(
+    spec: JobSpec,
+    state: PartialState,
+    existing: Mapping[str, Any] | None,
+    num_samples: int,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> Plan:
+    """Without ``--chunk-size`` a store being resumed keeps its chunk size: the default depends on the
+    number of processes, which may differ from the first run's."""
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
-    kept = existing.get("chunk_size") if existing and not spec.overwrite else None
-    chunk_size = spec.chunk_size or kept or default_chunk_size(num_samples, largest, state.num_processes)
-    plan = Plan(num_samples, chunk_size)
-    identity = {
-        "model": spec.model,
-        "weights": loaded.weights,
-        "checkpoint_sha256": loaded.checkpoint_sha256,
-        "layers": [ref.name for ref in refs],
-        "data": spec.data,
-        "data_listing_sha256": dataset.listing_sha256(),
-        "image_key": spec.image_key,
-        "label_key": spec.label_key,
-        "decode": spec.decode,
-        "exif_transpose": spec.exif_transpose,
-        "num_samples": num_samples,
-        "pool": spec.pool if isinstance(spec.pool, str) else list(spec.pool),
-        "dtype": spec.dtype,
-        "precision": precision,
-        "chunk_size": plan.chunk_size,
-        "compressor": spec.compressor,
-        "preprocessing": repr(loaded.preprocess),
-    }
-    if spec.layout:
-        identity["layout"] = list(spec.layout)
-    attrs = {
-        "status": "running",
-        "fingerprint": fingerprint(identity),
-        "identity": identity,
-        "job": spec.to_dict(),
-        # the identity's fields a reader most often wants, at the top level
-        **{key: identity[key] for key in TOP_LEVEL},
-        "source": loaded.source,
-        "preprocessing": preprocessing,
-        "pools": layers.pools,
-        "layouts": layers.stored_layouts(),
-        "dataset": spec.data,
-        **({"image_root": str(dataset.image_root)} if dataset.image_root is not None else {}),
-        "classes": dataset.classes,
-        "layers": list(shapes),
-        "feature_shapes": {name: list(shape) for name, shape in shapes.items()},
-        "versions": library_versions(loaded.source),
-        "runs": [],
-    }
-    return _Job(
-        spec, state, model, refs, loaded, layers, dataset, shapes, plan, identity, attrs, autocast, memory_format,
-        gpu_decoder, notes,
+    resumed = existing.get("chunk_size") if existing and not spec.overwrite else None
+    chunk_size = spec.chunk_size or resumed or default_chunk_size(num_samples, largest, state.num_processes)
+    return Plan(num_samples, chunk_size)
+
+
+def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan) -> JobParts:
+    """The job's parts as the store's schema takes them: plain values, no model or data source."""
+    loaded, layers = model.loaded, model.layers
+    return JobParts(
+        options=spec.to_dict(), weights=loaded.weights, checkpoint_sha256=loaded.checkpoint_sha256,
+        source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
+        layers=[ref.name for ref in model.refs], shapes=layers.shapes, pools=layers.pools,
+        layouts=layers.stored_layouts(), data_listing_sha256=data.dataset.listing_sha256(),
+        classes=data.dataset.classes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
+        precision=model.precision, versions=library_versions(loaded.source),
+        image_root=None if data.dataset.image_root is None else str(data.dataset.image_root),
     )  # fmt: skip
 
 
+def _loader(job: _Job, chunks: list[int]) -> DataLoader:
+    spec, device = job.spec, job.state.device
+    return DataLoader(
+        job.data.dataset,
+        batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
+        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
+        pin_memory=device.type == "cuda",
+        collate_fn=collate_encoded if job.data.gpu_decoder is not None else None,
+        worker_init_fn=ignore_stop_signals,
+    )
+
+
 def _loop(
-    job: _Job, store: FeatureStore, chunks: list[int], edit: Mapping[str, Edit] | None, stop: StopRequests
+    job: _Job,
+    store: FeatureStore,
+    chunks: list[int],
+    edit: Mapping[str, Edit] | None,
+    stop: StopRequests,
+    forwarded: Callable[[int], None] = lambda samples: None,
 ) -> None:
-    """Forward this rank's chunks under the capture and hand them to the writer.
+    """Forward this rank's chunks under the capture and hand them to the writer; ``forwarded(n)`` after
+    each batch of n samples.
 
     Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
     after writing the chunks already complete.
     """
     spec, device = job.spec, job.state.device
-    loader = DataLoader(
-        job.dataset,
-        batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
-        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
-        pin_memory=device.type == "cuda",
-        collate_fn=collate_encoded if job.gpu_decoder is not None else None,
-        worker_init_fn=ignore_stop_signals,
-    )
+    loader = _loader(job, chunks)
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
-    bad_image = None
     stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
     try:
         with (
             Capture(
-                job.model, job.refs, reduce=job.layers.reduce, stop=spec.truncate, edit=edit, sink=staging.stage
+                job.model.module, job.model.refs, reduce=job.model.layers.reduce, stop=spec.truncate, edit=edit,
+                sink=staging.stage,
             ) as cap,
             torch.inference_mode(),
-            job.autocast,
-        ):
-            batches = iter(loader)
-            while stop.signum is None:
-                try:
-                    images, labels, indices, errors = next(batches)
-                except StopIteration:
-                    break
-                except Exception:
-                    if stop.signum is not None:  # DataLoader workers died of the same signal
-                        break
-                    raise
-                if job.gpu_decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
-                    images, errors = job.gpu_decoder(images, indices, errors)
-                valid = np.array([not error for error in errors])
-                if not (valid.all() or spec.skip_bad_images):
-                    bad_image = next(error for error in errors if error)
-                    break
-                slot = staging.acquire(writer.check)
-                job.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=job.memory_format))
-                staging.seal(slot)
-                writer.submit(slot, indices, labels, valid)
+            job.model.autocast,
+        ):  # fmt: skip
+            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded)
         writer.close(complete=stop.signum is None and bad_image is None)
     except BaseException:
         writer.abort()
         raise
-    for layer, count in writer.overflow.items():
-        if count:
-            tqdm.write(
-                f"extract: WARNING layer '{layer}': {count} values beyond the float16 range were stored as inf; "
-                "use --dtype float32 to keep them",
-                file=sys.stderr,
-            )
+    _warn_overflow(writer.overflow)
     if stop.signum is not None:
         raise Interrupted(stop.signum, writer.chunks_written)
     if bad_image is not None:
@@ -298,6 +299,51 @@ def _loop(
         )
 
 
+def _forward(
+    job: _Job,
+    loader: DataLoader,
+    cap: Capture,
+    staging: HostStaging,
+    writer: ChunkWriter,
+    stop: StopRequests,
+    forwarded: Callable[[int], None],
+) -> str | None:
+    """Every batch through the model into the writer, until the data ends or a signal arrives; the
+    first undecodable image stops it (returned) unless ``--skip-bad-images``."""
+    device, model, decoder = job.state.device, job.model, job.data.gpu_decoder
+    batches = iter(loader)
+    while stop.signum is None:
+        try:
+            images, labels, indices, errors = next(batches)
+        except StopIteration:
+            break
+        except Exception:
+            if stop.signum is not None:  # DataLoader workers died of the same signal
+                break
+            raise
+        if decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
+            images, errors = decoder(images, indices, errors)
+        valid = np.array([not error for error in errors])
+        if not (valid.all() or job.spec.skip_bad_images):
+            return next(error for error in errors if error)
+        slot = staging.acquire(writer.check)
+        model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
+        staging.seal(slot)
+        writer.submit(slot, indices, labels, valid)
+        forwarded(len(indices))
+    return None
+
+
+def _warn_overflow(overflow: Mapping[str, int]) -> None:
+    for layer, count in overflow.items():
+        if count:
+            tqdm.write(
+                f"extract: WARNING layer '{layer}': {count} values beyond the float16 range were stored as inf; "
+                "use --dtype float32 to keep them",
+                file=sys.stderr,
+            )
+
+
 def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | None = None) -> Summary:
     """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -305,54 +351,37 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
         watch_parent()
         state = process_state(spec.timeout)
-        main = state.is_main_process
+        if state.device.type == "cpu":  # before the model and data allocate anything
+            keep_freed_memory()
         with StoreLife(Path(spec.out), state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, life.existing)
-            plan = job.plan
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite)
             if action == "complete":
-                if main:
-                    log(f"extract: {spec.out} is already complete for this job; nothing to do")
-                return Summary(0, 0.0, 0, plan.num_chunks, 0, 0)
-            if main:
-                if job.dataset.notice is not None:
-                    log(f"extract: NOTE --data {spec.data}: {job.dataset.notice}")
-                for note in job.notes:
-                    log(note)
+                return _already_complete(job, log)
+            _announce(job, log)
             store = life.open(action, lambda: _create(job))
-            pending = store.pending_chunks()
-            if main and action == "resume":  # keys are written at creation: restore those of chunks to redo
-                store.write_keys(pending, job.dataset.keys())
-            shares = assign(pending, state.num_processes)
-            life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
-            if main and action == "resume":
-                log(
-                    f"extract: resuming {spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
-                )
-
-            progress = JobProgress(Path(spec.out), plan, pending, enabled=main)
-            started = time.time()
-            try:
-                _loop(job, store, shares[state.process_index], edit, stop)
-            finally:
-                progress.close()
-            try:
-                state.wait_for_everyone()
-            except Exception as e:  # noqa: BLE001 - gloo/NCCL: a peer left; this rank's chunks are written
-                raise PeerStopped(e) from None
-            summary = Summary(
-                samples=plan.samples_in(pending),
-                seconds=time.time() - started,
-                chunks_written=len(pending),
-                chunks_reused=plan.num_chunks - len(pending),
-                bytes_stored=store.stored_bytes() if main else 0,
-                raw_bytes=plan.num_samples * job.sample_bytes,
-                invalid=int((~store.array("valid")[:]).sum()) if main else 0,
-            )
+            pending, shares = _share(job, life, store, resume=action == "resume", log=log)
+            summary = _extract(job, store, pending, shares[state.process_index], edit, stop)
             life.finish(summary.record())
-    if main:
+    if state.is_main_process:
         log(summary.line())
     return summary
+
+
+def _already_complete(job: _Job, log: Log) -> Summary:
+    if job.state.is_main_process:
+        log(f"extract: {job.spec.out} is already complete for this job; nothing to do")
+    return Summary(0, 0.0, 0, job.plan.num_chunks, 0, 0)
+
+
+def _announce(job: _Job, log: Log) -> None:
+    """Rank 0 says what the user should know before the work starts."""
+    if not job.state.is_main_process:
+        return
+    if job.data.dataset.notice is not None:
+        log(f"extract: NOTE --data {job.spec.data}: {job.data.dataset.notice}")
+    for note in job.data.notes:
+        log(note)
 
 
 def _create(job: _Job) -> FeatureStore:
@@ -360,5 +389,74 @@ def _create(job: _Job) -> FeatureStore:
     return FeatureStore.create(
         Path(spec.out), shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
-        layouts=job.layers.stored_layouts(), keys=job.dataset.keys(), after=lambda path: keep_index(path, job.dataset),
+        layouts=job.model.layers.stored_layouts(), keys=job.data.dataset.keys(),
+        indexes=saved_indexes(job.data.dataset),
     )  # fmt: skip
+
+
+def _share(
+    job: _Job, life: StoreLife, store: FeatureStore, *, resume: bool, log: Log
+) -> tuple[list[int], list[list[int]]]:
+    """The chunks still to write and each rank's share of them, recorded as this run in the store."""
+    main, plan = job.state.is_main_process, job.plan
+    pending = store.pending_chunks()
+    if main and resume:  # keys are written at creation: restore those of chunks to redo
+        store.write_keys(pending, job.data.dataset.keys())
+    shares = assign(pending, job.state.num_processes)
+    life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
+    if main and resume:
+        log(
+            f"extract: resuming {job.spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
+        )
+    if main:
+        log(_plan_line(job, pending))
+    return pending, shares
+
+
+def _plan_line(job: _Job, pending: list[int]) -> str:
+    """What is about to happen, in one line: the layers as stored, the samples, the chunks, the processes
+    and the store's size before compression."""
+    plan, processes = job.plan, job.state.num_processes
+    layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
+    todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
+    return (
+        f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} samples in {_count(plan.num_chunks, 'chunk')} of "
+        f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}; "
+        f"{plan.num_samples * job.sample_bytes / 2**20:.1f} MiB before compression"
+    )
+
+
+def _count(n: int, noun: str, plural: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def _extract(
+    job: _Job,
+    store: FeatureStore,
+    pending: list[int],
+    share: list[int],
+    edit: Mapping[str, Edit] | None,
+    stop: StopRequests,
+) -> Summary:
+    """This rank's share through the loop, then the barrier; the summary of the whole run."""
+    state, plan = job.state, job.plan
+    main = state.is_main_process
+    progress = JobProgress(store, plan, pending, enabled=main, own=share)
+    started = time.time()
+    try:
+        _loop(job, store, share, edit, stop, progress.advance)
+    finally:
+        progress.close()
+    try:
+        state.wait_for_everyone()
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL: a peer left; this rank's chunks are written
+        raise PeerStopped(e) from None
+    return Summary(
+        samples=plan.samples_in(pending),
+        seconds=time.time() - started,
+        chunks_written=len(pending),
+        chunks_reused=plan.num_chunks - len(pending),
+        bytes_stored=store.stored_bytes() if main else 0,
+        raw_bytes=plan.num_samples * job.sample_bytes,
+        invalid=int((~store.array("valid")[:]).sum()) if main else 0,
+    )

@@ -1,9 +1,8 @@
-"""The job: every option of a run, validated in one place, and the identity that ties a store to it."""
+"""The job: every option of a run, validated in one place (the identity that ties a store to it is the
+store's schema: ``extract.store.schema``)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import types
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -72,11 +71,6 @@ class JobSpec:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-
-def fingerprint(identity: dict[str, Any]) -> str:
-    """A stable hash of everything that decides the stored values and layout."""
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _fits(value: Any, expected: Any) -> bool:

@@ -4,7 +4,7 @@ epochs read each chunk about once, also with several DataLoader workers."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,11 @@ class FeatureDataset(Dataset):
 
     Items are served from the last ``cache_chunks`` chunks read (per process), so indices within them
     cost no read; pair it with ``ChunkShuffleSampler`` (``window`` <= ``cache_chunks``) for shuffled
-    epochs. ``pool`` reduces each layer as
-    ``Features.load`` does. The store is opened lazily in each process: only the path is pickled to
-    DataLoader workers, never an open zarr handle.
+    epochs. ``pool`` reduces each layer as ``Features.load`` does: one value for every layer, or a
+    ``{layer: pool}`` mapping (layers it leaves out are read whole), as ``--pool layer3=avg`` does at
+    extraction. Labels are read with their chunk, so a store still being written (``allow_partial``)
+    serves the labels of the chunks written since the dataset was made. The store is opened lazily in
+    each process: only the path is pickled to DataLoader workers, never an open zarr handle.
     """
 
     def __init__(
@@ -32,26 +34,31 @@ class FeatureDataset(Dataset):
         path: str | Path,
         layers: str | Sequence[str],
         *,
-        pool: str | None = None,
+        pool: str | Mapping[str, str | None] | None = None,
         dtype: str = "float32",
         allow_partial: bool = False,
         cache_chunks: int = 1,
     ) -> None:
-        self.path, self.pool, self.dtype, self.allow_partial = Path(path), pool, dtype, allow_partial
+        self.path, self.dtype, self.allow_partial = Path(path), dtype, allow_partial
         self.cache_chunks = max(1, cache_chunks)
         self.single = isinstance(layers, str)
         self.layers = [layers] if isinstance(layers, str) else list(layers)
+        if isinstance(pool, Mapping):
+            if unknown := sorted(set(pool) - set(self.layers)):
+                raise ValueError(f"pool names {', '.join(unknown)}, which are not among the layers {self.layers}")
+            self.pools = {layer: pool.get(layer) for layer in self.layers}
+        else:
+            self.pools = dict.fromkeys(self.layers, pool)
         features = open_features(self.path, allow_partial=allow_partial)
         for layer in self.layers:
             features.array(layer)  # an unknown layer fails here, in the main process, with the valid names
         self.num_samples, self.chunk_size = features.num_samples, features.chunk_size
-        self.labels = features.labels
         self.chunk_reads = 0  # in this process; lets tests and benchmarks check the sampler's locality
         self._reset()
 
     def _reset(self) -> None:
         self._features: Features | None = None
-        self._cache: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._cache: OrderedDict[int, tuple[dict[str, torch.Tensor], np.ndarray]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -71,23 +78,24 @@ class FeatureDataset(Dataset):
             cached = self._read_chunk(chunk)
         else:
             self._cache.move_to_end(chunk)
-        values = {layer: cached[layer][row] for layer in self.layers}
-        return (values[self.layers[0]] if self.single else values), int(self.labels[index])
+        layers, labels = cached
+        values = {layer: layers[layer][row] for layer in self.layers}
+        return (values[self.layers[0]] if self.single else values), int(labels[row])
 
-    def _read_chunk(self, chunk: int) -> dict[str, torch.Tensor]:
+    def _read_chunk(self, chunk: int) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         if self._features is None:
             self._features = open_features(self.path, allow_partial=self.allow_partial)
         start = chunk * self.chunk_size
         rows = slice(start, min(start + self.chunk_size, self.num_samples))
         values = {
-            layer: self._features.load(layer, rows, pool=self.pool, dtype=self.dtype, as_torch=True)
+            layer: self._features.load(layer, rows, pool=self.pools[layer], dtype=self.dtype, as_torch=True)
             for layer in self.layers
         }
-        self._cache[chunk] = values
+        self._cache[chunk] = (values, self._features.load_labels(rows))
         while len(self._cache) > self.cache_chunks:
             self._cache.popitem(last=False)
         self.chunk_reads += 1
-        return values
+        return self._cache[chunk]
 
 
 class ChunkShuffleSampler(Sampler[list[int]]):
@@ -99,7 +107,8 @@ class ChunkShuffleSampler(Sampler[list[int]]):
     several classes) at the cost of caching that many chunks per worker. With ``num_workers`` > 1 the chunks are
     dealt to that many streams and their batches interleaved, because the DataLoader hands batch j to
     worker j % num_workers: each worker then reads only its own chunks. Streams end unevenly, so the
-    last few batches may make a worker read a chunk another one also read.
+    last few batches may make a worker read a chunk another one also read. There are never more
+    streams than full batches, so a small store still gets batches of ``batch_size``.
 
     The permutation depends on ``seed`` and the epoch (``set_epoch``), not on global RNG state.
 
@@ -131,7 +140,7 @@ class ChunkShuffleSampler(Sampler[list[int]]):
             raise ValueError("num_samples, chunk_size, batch_size and window must be positive, num_workers 0 or more")
         self.window = window
         self.num_samples, self.chunk_size, self.batch_size = num_samples, chunk_size, batch_size
-        self.streams = max(1, num_workers)
+        self.workers = max(1, num_workers)
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         self.subset = None if subset is None else _as_mask(subset, num_samples)
@@ -153,7 +162,10 @@ class ChunkShuffleSampler(Sampler[list[int]]):
         num_chunks = -(-self.num_samples // self.chunk_size)
         order = rng.permutation(num_chunks) if self.shuffle else np.arange(num_chunks)
         mine = order[self.rank :: self.world_size]
-        return [mine[w :: self.streams] for w in range(self.streams)]
+        # a stream per worker, but no more streams than full batches: with fewer samples than
+        # workers x batch_size, more streams would only cut every batch short
+        streams = max(1, min(self.workers, self._stream_samples(mine) // self.batch_size))
+        return [mine[w::streams] for w in range(streams)]
 
     def _stream_samples(self, chunks: np.ndarray) -> int:
         if self.subset is not None:

@@ -14,12 +14,12 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import zarr
-from zarr.core.buffer.cpu import NDBuffer
+from zarr.buffer.cpu import NDBuffer
 
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
 from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
-from ..job.plan import Plan
+from ..store.chunks import Plan
 from ..store.store import FeatureStore
 
 Index = slice | Sequence[int] | np.ndarray | None
@@ -122,6 +122,39 @@ def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
         raise ExtractError(
             f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64)"
         ) from None
+
+
+# dimension names (after the sample axis, without the layer's prefix) -> the layout they spell
+DIMENSION_LAYOUTS = {
+    ("channel", "height", "width"): "NCHW",
+    ("height", "width", "channel"): "NHWC",
+    ("token", "dim"): "NLC",
+    ("dim", "token"): "NCL",
+}
+
+
+class PoolMismatchError(ExtractError, ValueError):
+    """A ``pool=`` that does not fit the stored layer's shape."""
+
+
+def _pool_mismatch(
+    layer: str, pool: str | None, shape: tuple[int, ...], error: PoolShapeError, pooled: str | None
+) -> PoolMismatchError:
+    """The reader's error in the reader's terms (``pool=``), not the command line's (``--pool``)."""
+    stored = f"({', '.join(map(str, shape))}) per sample"
+    if pooled not in (None, "none"):
+        stored += f" (pooled with {pooled} at extraction)"
+    if error.wanted == "known layout":
+        return PoolMismatchError(
+            f"load({layer!r}, pool={pool!r}): the store does not say which axes of {layer}, {stored}, are "
+            "spatial; read it with pool=None and reduce the axes you mean"
+        )
+    instead = " or ".join(f"pool={choice!r}" for choice in error.instead.split(" or ")).replace(
+        "pool='none'", "pool=None"
+    )
+    return PoolMismatchError(
+        f"load({layer!r}, pool={pool!r}) needs {error.wanted} outputs, but {layer} is stored as {stored}; use {instead}"
+    )
 
 
 @dataclass
@@ -269,8 +302,7 @@ class Features:
         """
         array = self.array(layer)
         rows = _normalize(index, self.num_samples)
-        layout = (self.attrs.get("layouts") or {}).get(layer, "NCHW")
-        reduce = make_pool(pool, layout) if pool not in (None, "none") else None
+        reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
         out = _empty((rows.count, *self._pooled_shape(layer, reduce, pool)), dtype or array.dtype)
         blocks = list(self._blocks(rows, array))
         if rows.sorted_rows is None:
@@ -303,6 +335,16 @@ class Features:
             out = out[torch.from_numpy(rows.inverse)]
         return out if as_torch else out.numpy()
 
+    def layout(self, layer: str) -> str | None:
+        """The stored array's layout (``NCHW``, ``NHWC``, ``NLC``, ``NCL``), as the store records it or,
+        where it does not (stores written before pooled arrays recorded theirs), as its dimension names
+        say; ``None`` for a flat (D,) layer."""
+        recorded = (self.attrs.get("layouts") or {}).get(layer)
+        if recorded is not None:
+            return recorded
+        names = tuple(name.rpartition(".")[2] for name in (self.array(layer).metadata.dimension_names or ())[1:])
+        return DIMENSION_LAYOUTS.get(names)
+
     def _pooled_shape(self, layer: str, reduce: Any, pool: str | None) -> tuple[int, ...]:
         shape = self.shapes[layer]
         if reduce is None:
@@ -310,7 +352,19 @@ class Features:
         try:
             return tuple(reduce(torch.zeros((1, *shape)))[0].shape)
         except PoolShapeError as e:
-            raise e.for_layer(layer) from None
+            raise _pool_mismatch(layer, pool, shape, e, (self.attrs.get("pools") or {}).get(layer)) from None
+
+    def load_labels(self, index: Index = None) -> np.ndarray:
+        """(n,) int64 labels of the samples ``index`` picks, read now (``labels`` is read once and kept:
+        a store still being written gains labels as its chunks are written)."""
+        rows = _normalize(index, self.num_samples)
+        if rows.sorted_rows is None:
+            selection: slice | np.ndarray = slice(rows.start, rows.stop)
+            touched: Iterable[int] = range(rows.start // self.chunk_size, -(-rows.stop // self.chunk_size))
+        else:
+            selection, touched = rows.sorted_rows, np.unique(rows.sorted_rows // self.chunk_size).tolist()
+        labels = self._checked("labels", "labels", touched, lambda: self.store.array("labels")[selection])
+        return labels[rows.inverse] if rows.inverse is not None else labels
 
     def _blocks(self, rows: _Rows, array: zarr.Array) -> Iterator[tuple[slice | np.ndarray, int]]:
         """(selection, output position) per block of a few whole chunks: one zarr call each, whose

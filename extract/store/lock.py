@@ -12,6 +12,7 @@ live pid on this host proves nothing once the heartbeat is old.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,6 +31,11 @@ _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 def lock_path(store: Path) -> Path:
     return store.with_name(store.name + ".lock")
+
+
+def _record_path(path: Path) -> Path:
+    """This process's own file for the record it links into place at ``path`` (see ``_create``)."""
+    return path.with_name(f".{path.name}-{socket.gethostname()}-{os.getpid()}")
 
 
 class LockUnavailable(ExtractError):
@@ -95,7 +101,7 @@ def _create(path: Path, record: dict[str, Any]) -> bool:
     The record is written to a file of our own first and hard-linked into place (atomic, and
     NFS-safe), so a lock is never seen empty, even when its claimer is killed in the middle. Where
     hard links are not supported, ``O_EXCL`` and a write."""
-    own = path.with_name(f".{path.name}-{socket.gethostname()}-{os.getpid()}")
+    own = _record_path(path)
     own.write_text(json.dumps(record))
     try:
         os.link(own, path)
@@ -148,6 +154,19 @@ class StoreLock:
                 ) from None
             raise ExtractError(f"--out {self.store}: cannot create the lock {self.path} ({e.strerror})") from None
         raise StoreBusyError(f"--out {self.store}: could not take the lock {self.path} from a stale holder; rerun")
+
+    def sweep(self) -> None:
+        """Delete the lock records that killed claimers left beside the store (``_create`` writes one and
+        links it into place; a kill between the two leaves it). Only the holder calls this."""
+        prefix = f".{self.path.name}-"
+        for entry in self.path.parent.iterdir() if self.path.parent.is_dir() else []:
+            if not entry.name.startswith(prefix):
+                continue
+            host, _, pid = entry.name.rpartition("-")
+            gone = host.endswith(f"-{socket.gethostname()}") and pid.isdigit() and not pid_alive(int(pid))
+            with contextlib.suppress(OSError):
+                if gone or time.time() - entry.stat().st_mtime > 60:  # a young one may be a claimer's, mid-claim
+                    entry.unlink()
 
     def _take_over_if_stale(self) -> None:
         holder = _holder(self.path)

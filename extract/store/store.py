@@ -2,47 +2,34 @@
 
 Every object carries a crc32c checksum (zarr's ``Crc32cCodec`` after compression), so a torn, truncated
 or garbage object fails to decode instead of being read as data. The store is built beside its target
-and renamed into place, so a crash during creation never leaves half a store at ``--out``.
+and renamed into place, so a crash during creation never leaves half a store at ``--out``. Once open,
+done flags, deletion, sizes and listings go through zarr's store API, never through paths on disk.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
 from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
-from .lock import pid_alive
+from . import objects
+from .chunks import Plan
+from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs
 
-FORMAT = "extract-features"
-FORMAT_VERSION = 2  # 2: every object has a crc32c checksum
-KNOWN_FORMAT_VERSIONS = (1, 2)
-COMPRESSORS = ("zstd", "blosc", "none")
-# numpy's variable-width strings: zarr writes them 3x faster than fixed-width "<U" (numpy >= 2)
-STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
 SCRATCH = (".creating-", ".trash-")  # sibling directories of a store being built or deleted
-
-
-def codecs(compressor: str) -> list[Any] | None:
-    if compressor == "zstd":
-        return [ZstdCodec(level=1)]
-    if compressor == "blosc":
-        return [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")]
-    if compressor == "none":
-        return None
-    raise ExtractError(f"unknown --compressor '{compressor}'; choose one of {', '.join(COMPRESSORS)}")
+INDEXES = "index"  # the group of saved listings (``index/<name>``, uint8): not per-sample arrays
+INDEX_CHUNK_BYTES = 16 * 2**20
 
 
 def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[str, ...]:
@@ -53,11 +40,6 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[s
             ndim, tuple(f"dim{i}" for i in range(ndim))
         )
     return ("sample", *(f"{layer}.{n}" for n in names))
-
-
-def _checked(compressors: list[Any] | None) -> list[Any]:
-    """The checksum goes last: it covers the bytes as stored, after compression."""
-    return [*(compressors or []), Crc32cCodec()]
 
 
 def _store_attrs(path: Path) -> dict[str, Any] | None:
@@ -102,12 +84,6 @@ def sweep_scratch(path: Path) -> None:
     for entry in path.parent.iterdir() if path.parent.is_dir() else []:
         if any(entry.name.startswith(f".{path.name}{kind}") for kind in SCRATCH):
             shutil.rmtree(entry, ignore_errors=True)
-        elif entry.name.startswith(f".{path.name}.lock-"):  # a lock record a killed claimer never linked
-            host, _, pid = entry.name.rpartition("-")
-            gone = host.endswith(f"-{socket.gethostname()}") and pid.isdigit() and not pid_alive(int(pid))
-            with contextlib.suppress(OSError):
-                if gone or time.time() - entry.stat().st_mtime > 60:  # a young one may be a claimer's, mid-claim
-                    entry.unlink()
 
 
 def check_writable(directory: Path, problem: str) -> None:
@@ -119,6 +95,80 @@ def check_writable(directory: Path, problem: str) -> None:
         raise ExtractError(f"{problem} ({e.strerror}); choose another --out") from None
 
 
+@dataclass(frozen=True)
+class _Skeleton:
+    """The arrays of a new store, all empty but ``keys`` and the saved indexes (written whole)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    num_samples: int
+    chunk_size: int
+    dtype: str
+    compressor: str
+    layouts: dict[str, str | None]
+    keys: Sequence[str] | None
+    indexes: dict[str, bytes]
+
+    def build(self, path: Path, attrs: dict[str, Any]) -> None:
+        group = zarr.open_group(
+            path,
+            mode="w",
+            attributes={
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                # what opening validates the arrays against, also for callers that pass fewer attributes
+                "num_samples": self.num_samples,
+                "chunk_size": self.chunk_size,
+                "layers": list(self.shapes),
+                **attrs,
+            },
+        )
+        self._features(group.create_group("features"))
+        self._per_sample(group)
+        group.create_array(
+            "done", shape=(Plan(self.num_samples, self.chunk_size).num_chunks,), chunks=(1,), dtype="bool",
+            fill_value=False, compressors=[Crc32cCodec()], dimension_names=("chunk",),
+        )  # fmt: skip
+        if self.indexes:
+            self._indexes(group.create_group(INDEXES))
+
+    def _features(self, features: zarr.Group) -> None:
+        for layer, shape in self.shapes.items():
+            features.create_array(
+                layer,
+                shape=(self.num_samples, *shape),
+                chunks=(self.chunk_size, *shape),
+                dtype=self.dtype,
+                fill_value=np.nan,
+                compressors=checked(codecs(self.compressor)),
+                dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer)),
+            )
+
+    def _per_sample(self, group: zarr.Group) -> None:
+        n, c = self.num_samples, self.chunk_size
+        group.create_array(
+            "labels", shape=(n,), chunks=(c,), dtype="int64", fill_value=-1,
+            compressors=checked(codecs("zstd")), dimension_names=("sample",),
+        )  # fmt: skip
+        group.create_array(
+            "valid", shape=(n,), chunks=(c,), dtype="bool", fill_value=False,
+            compressors=checked(codecs("zstd")), dimension_names=("sample",),
+        )  # fmt: skip
+        if self.keys is not None:  # where each row came from: written whole at creation, chunked like the data
+            group.create_array(
+                "keys", shape=(n,), chunks=(c,), dtype=str,
+                compressors=checked(codecs("zstd")), dimension_names=("sample",),
+            )[:] = np.asarray(self.keys, dtype=STRINGS)  # fmt: skip
+
+    def _indexes(self, group: zarr.Group) -> None:
+        """Each saved index as a uint8 array: a member of the hierarchy, so zarr (and object storage)
+        sees nothing it does not know, with a checksum like every other object."""
+        for name, blob in self.indexes.items():
+            group.create_array(
+                name, shape=(len(blob),), chunks=(max(1, min(len(blob), INDEX_CHUNK_BYTES)),), dtype="uint8",
+                compressors=checked(codecs("zstd")),
+            )[:] = np.frombuffer(blob, dtype=np.uint8)  # fmt: skip
+
+
 class FeatureStore:
     """``features/<layer>``, ``labels`` and ``done`` in one zarr group, plus the job's attributes."""
 
@@ -126,6 +176,7 @@ class FeatureStore:
         self.group = group
         self.path = path
         self._arrays: dict[str, zarr.Array] = {}
+        self._chunk_of_key: dict[str, dict[str, int]] = {}
 
     @classmethod
     def create(
@@ -141,18 +192,19 @@ class FeatureStore:
         overwrite: bool = False,
         layouts: Mapping[str, str | None] | None = None,
         keys: Sequence[str] | None = None,
-        after: Callable[[Path], None] | None = None,
+        indexes: Mapping[str, bytes] | None = None,
     ) -> FeatureStore:
         """Build the store beside ``path`` and rename it into place: a kill or a full disk at any instant
         leaves either no store or the whole skeleton. ``overwrite`` first moves the old store aside
         (one rename), then deletes it: an interrupted overwrite leaves the old store or nothing.
-        ``after(folder)`` adds files to the skeleton before the rename (the shard index)."""
+        ``indexes`` are saved listings (name -> bytes) kept in the skeleton for a resume (the shard index)."""
+        skeleton = _Skeleton(
+            dict(shapes), num_samples, chunk_size, dtype, compressor, dict(layouts or {}), keys, dict(indexes or {})
+        )
         scratch = path.with_name(f".{path.name}.creating-{os.getpid()}")
         trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
         try:
-            cls._build(scratch, shapes, num_samples, chunk_size, dtype, compressor, attrs, layouts, keys)
-            if after is not None:
-                after(scratch)
+            skeleton.build(scratch, attrs)
             if overwrite and _store_attrs(path) is not None:
                 os.rename(path, trash)
             os.rename(scratch, path)  # replaces an absent path or an empty directory
@@ -163,61 +215,6 @@ class FeatureStore:
             ) from None
         shutil.rmtree(trash, ignore_errors=True)
         return cls.open(path)
-
-    @staticmethod
-    def _build(
-        path: Path,
-        shapes: Mapping[str, tuple[int, ...]],
-        num_samples: int,
-        chunk_size: int,
-        dtype: str,
-        compressor: str,
-        attrs: dict[str, Any],
-        layouts: Mapping[str, str | None] | None,
-        keys: Sequence[str] | None,
-    ) -> None:
-        group = zarr.open_group(
-            path,
-            mode="w",
-            attributes={
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                # what opening validates the arrays against, also for callers that pass fewer attributes
-                "num_samples": num_samples,
-                "chunk_size": chunk_size,
-                "layers": list(shapes),
-                **attrs,
-            },
-        )
-        features = group.create_group("features")
-        for layer, shape in shapes.items():
-            features.create_array(
-                layer,
-                shape=(num_samples, *shape),
-                chunks=(chunk_size, *shape),
-                dtype=dtype,
-                fill_value=np.nan,
-                compressors=_checked(codecs(compressor)),
-                dimension_names=dimension_names(layer, len(shape), (layouts or {}).get(layer)),
-            )
-        group.create_array(
-            "labels", shape=(num_samples,), chunks=(chunk_size,), dtype="int64", fill_value=-1,
-            compressors=_checked(codecs("zstd")), dimension_names=("sample",),
-        )  # fmt: skip
-        group.create_array(
-            "valid", shape=(num_samples,), chunks=(chunk_size,), dtype="bool", fill_value=False,
-            compressors=_checked(codecs("zstd")), dimension_names=("sample",),
-        )  # fmt: skip
-        if keys is not None:  # where each row came from: written whole at creation, chunked like the data
-            group.create_array(
-                "keys", shape=(num_samples,), chunks=(chunk_size,), dtype=str,
-                compressors=_checked(codecs("zstd")), dimension_names=("sample",),
-            )[:] = np.asarray(keys, dtype=STRINGS)  # fmt: skip
-        num_chunks = -(-num_samples // chunk_size)
-        group.create_array(
-            "done", shape=(num_chunks,), chunks=(1,), dtype="bool", fill_value=False,
-            compressors=[Crc32cCodec()], dimension_names=("chunk",),
-        )  # fmt: skip
 
     @classmethod
     def open(cls, path: Path, mode: str = "r+") -> FeatureStore:
@@ -290,25 +287,47 @@ class FeatureStore:
     def pending_chunks(self) -> list[int]:
         return np.flatnonzero(~self.done_flags()).tolist()
 
+    @property
+    def plan(self) -> Plan:
+        return Plan(self.attrs["num_samples"], self.attrs["chunk_size"])
+
     def sample_arrays(self) -> Iterator[tuple[str, zarr.Array]]:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
         n = self.attrs["num_samples"]
         for name, member in self.group.members(max_depth=None):
             if isinstance(member, zarr.Array) and name != "done" and member.shape[:1] == (n,):
-                yield name, self.array(name)
+                if not name.startswith(f"{INDEXES}/"):  # a saved index of N bytes is no sample array
+                    yield name, self.array(name)
 
-    def object_path(self, array: zarr.Array, chunk: int) -> Path:
-        """The file of ``array``'s chunk ``chunk`` (the whole row range of data chunk ``chunk``)."""
-        return self.path / array.path / array.metadata.encode_chunk_key((chunk, *[0] * (array.ndim - 1)))
+    def chunk_key(self, array: zarr.Array, chunk: int) -> str:
+        """The store key of ``array``'s object for data chunk ``chunk`` (its whole row range)."""
+        return f"{array.path}/{array.metadata.encode_chunk_key((chunk, *[0] * (array.ndim - 1)))}"
+
+    def stored_chunks(self, name: str, chunks: Iterable[int]) -> set[int]:
+        """Which of ``chunks`` have an object in array ``name``: one listing of the array's keys. A 1-D
+        array's objects share one parent (``done/c/<k>``), listed as one directory: ten times cheaper than
+        a recursive listing on disk, which the progress bar pays every half second."""
+        array, wanted = self.array(name), set(chunks)
+        if name not in self._chunk_of_key:  # encoding every key costs more than the listing: once per array
+            every = range(self.plan.num_chunks)
+            self._chunk_of_key[name] = {self.chunk_key(array, k): k for k in every}
+        chunk_of_key = self._chunk_of_key[name]
+        if array.ndim == 1:
+            parent = self.chunk_key(array, 0).rpartition("/")[0]
+            listed = {f"{parent}/{child}" for child in objects.children(self.group.store, parent)}
+        else:
+            listed = objects.listed(self.group.store, f"{array.path}/")
+        return {chunk_of_key[key] for key in listed if key in chunk_of_key} & wanted
 
     def missing_objects(self, chunks: list[int] | None = None) -> dict[int, list[str]]:
         """The cheap check: for each done chunk (or each of ``chunks``), the arrays whose object is absent.
         Every chunk written is stored (write_empty_chunks), so an absent one was lost."""
         chunks = np.flatnonzero(self.done_flags()).tolist() if chunks is None else chunks
         missing: dict[int, list[str]] = {}
-        for name, array in self.sample_arrays():
+        for name, _ in self.sample_arrays():
+            stored = self.stored_chunks(name, chunks)
             for k in chunks:
-                if not self.object_path(array, k).is_file():
+                if k not in stored:
                     missing.setdefault(k, []).append(name)
         return missing
 
@@ -323,10 +342,11 @@ class FeatureStore:
             array[start:stop] = np.asarray(keys[start:stop], dtype=STRINGS)
 
     def clear_done(self, chunks: list[int]) -> None:
-        """Mark ``chunks`` not done (their objects were lost or damaged): a rerun recomputes exactly those."""
+        """Mark ``chunks`` not done (their objects were lost or damaged): a rerun recomputes exactly those.
+        The flags' objects are deleted: an absent ``done`` object reads as False, and the progress bar
+        and ``verify`` count the objects present."""
         done = self.array("done")
-        for k in chunks:
-            self.object_path(done, k).unlink(missing_ok=True)  # an absent object reads as False (progress counts files)
+        objects.delete(self.group.store, [self.chunk_key(done, k) for k in chunks])
         if chunks and self.attrs.get("status") == "complete":
             self.update_attrs(status="running")
 
@@ -347,4 +367,19 @@ class FeatureStore:
         self.array("done")[chunk] = True
 
     def stored_bytes(self) -> int:
-        return sum(f.stat().st_size for f in (self.path / "features").rglob("*") if f.is_file())
+        """The bytes under ``features/``: every layer's objects and metadata, and the group's own. (zarr's
+        ``Array.nbytes_stored`` summed over the layers would leave out the group's metadata.)"""
+        return objects.size(self.group.store, "features/")
+
+
+def saved_index(path: Path, name: str, legacy: str | None = None) -> bytes | None:
+    """The index ``name`` saved in the store at ``path``, or None. ``legacy``: the key that stores from
+    before ``index/<name>`` kept it under (an object inside the hierarchy that zarr warns about). The
+    index only saves a rescan, so one that cannot be read is None, and the data is listed again."""
+    try:
+        group = zarr.open_group(path, mode="r")
+        if f"{INDEXES}/{name}" in group:
+            return group[f"{INDEXES}/{name}"][:].tobytes()  # type: ignore[union-attr]
+        return objects.read(group.store, legacy) if legacy is not None else None
+    except Exception:  # noqa: BLE001 - absent, unreadable or failing its checksum: list the data again
+        return None

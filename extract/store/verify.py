@@ -8,10 +8,7 @@ those. One summary line; exit status 0 when clean, 1 when damaged, 2 for bad inp
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +16,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from ..errors import ExtractError
-from ..job.plan import Plan
-from .lock import StoreLock
+from .chunks import Plan
 from .store import FeatureStore
 
 
@@ -44,8 +39,8 @@ class Report:
         return f"extract.verify: {self.path}: {len(self.damaged)} of {self.checked} done chunks damaged ({shown}{more}); {then}"
 
 
-def _problem(store: FeatureStore, array: zarr.Array, plan: Plan, chunk: int) -> str | None:
-    if not store.object_path(array, chunk).is_file():
+def _problem(array: zarr.Array, plan: Plan, chunk: int, stored: set[int]) -> str | None:
+    if chunk not in stored:
         return "missing"
     try:
         array[slice(*plan.bounds(chunk))]
@@ -57,16 +52,18 @@ def _problem(store: FeatureStore, array: zarr.Array, plan: Plan, chunk: int) -> 
 def verify(store: FeatureStore) -> Report:
     """Examine every done chunk of every per-sample array; a ``done`` object that itself fails its
     checksum counts as damaged too (its chunk will be recomputed)."""
-    plan = Plan(store.attrs["num_samples"], store.attrs["chunk_size"])
+    plan = store.plan
     done = store.done_flags()
-    stored_done = {k for k in range(plan.num_chunks) if store.object_path(store.array("done"), k).is_file()}
+    stored_done = store.stored_chunks("done", range(plan.num_chunks))
     report = Report(store.path, len(stored_done))
     for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
         report.damaged.setdefault(k, []).append("done: does not decode")
     chunks = np.flatnonzero(done).tolist()
-    work = [(name, array, k) for name, array in store.sample_arrays() for k in chunks]
+    arrays = list(store.sample_arrays())
+    stored = {name: store.stored_chunks(name, chunks) for name, _ in arrays}  # one listing per array
+    work = [(name, array, k) for name, array in arrays for k in chunks]
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="extract-verify") as pool:
-        problems = pool.map(lambda item: _problem(store, item[1], plan, item[2]), work)
+        problems = pool.map(lambda item: _problem(item[1], plan, item[2], stored[item[0]]), work)
         for (name, _, k), problem in zip(work, problems, strict=True):
             if problem is not None:
                 report.damaged.setdefault(k, []).append(f"{name} {problem}")
@@ -75,27 +72,3 @@ def verify(store: FeatureStore) -> Report:
 
 def repair(store: FeatureStore, report: Report) -> None:
     store.clear_done(sorted(report.damaged))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m extract.verify", description=__doc__.splitlines()[0])
-    parser.add_argument("store", type=Path)
-    parser.add_argument("--repair", action="store_true", help="clear done for damaged chunks so a rerun redoes them")
-    args = parser.parse_args(argv)
-    try:
-        if args.repair:
-            with StoreLock(args.store):  # a job writing the store is refused, naming its holder
-                store = FeatureStore.open(args.store, mode="r+")
-                report = verify(store)
-                repair(store, report)
-        else:
-            report = verify(FeatureStore.open(args.store, mode="r"))
-    except ExtractError as e:
-        print(f"extract.verify: error: {e}", file=sys.stderr)
-        return 2
-    print(report.line(args.repair))
-    return 1 if report.damaged else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..capture.staging import HostStaging, Slot
-from ..job.plan import Plan, chunk_segments
+from .chunks import Plan, chunk_segments
 from .store import FeatureStore
 
 

@@ -1,0 +1,41 @@
+"""``python -m extract.verify STORE [--repair]``: check a store's chunks (``extract.store.verify``).
+
+One summary line; exit status 0 when clean, 1 when damaged, 2 for bad input. ``--repair`` takes the
+store's lock, so a job writing the store is refused, naming its holder.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..store.lock import StoreLock
+from ..store.store import FeatureStore
+from ..store.verify import repair, verify
+from .base import command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # plain argparse, unlike the other commands: its usage errors have always printed the usage line
+    parser = argparse.ArgumentParser(
+        prog="python -m extract.verify",
+        description="Check a store's chunks: ``python -m extract.verify STORE [--repair]``.",
+    )
+    parser.add_argument("store", type=Path)
+    parser.add_argument("--repair", action="store_true", help="clear done for damaged chunks so a rerun redoes them")
+    return parser
+
+
+@command("extract.verify")
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.repair:
+        with StoreLock(args.store):
+            store = FeatureStore.open(args.store, mode="r+")
+            report = verify(store)
+            repair(store, report)
+    else:
+        report = verify(FeatureStore.open(args.store, mode="r"))
+    print(report.line(args.repair))
+    return 1 if report.damaged else 0

@@ -1,0 +1,68 @@
+"""A store's objects through zarr's store API (list, size, get, delete), called from synchronous code.
+
+zarr 3.1's ``Store`` methods are coroutines, and zarr's own bridge from its synchronous ``Array`` and
+``Group`` to them (its internal ``sync`` module) is private; 3.1.6 has synchronous ``get``/``set``/``delete``
+on the local and memory stores only, and no synchronous ``exists`` or ``list_prefix`` at all. So each
+call here runs the store's coroutine to completion on an event loop of its own, in a worker thread:
+that also works where the caller's thread already runs a loop (a notebook), where ``asyncio.run``
+alone would refuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from zarr.abc.store import Store
+from zarr.buffer import default_buffer_prototype
+
+T = TypeVar("T")
+
+
+def _wait(coroutine: Coroutine[Any, Any, T]) -> T:
+    with ThreadPoolExecutor(1, thread_name_prefix="extract-store") as thread:
+        return thread.submit(asyncio.run, coroutine).result()
+
+
+def listed(store: Store, prefix: str) -> set[str]:
+    """The keys under ``prefix``: one listing (one LIST request on object storage), not one per key."""
+
+    async def collect() -> set[str]:
+        return {key async for key in store.list_prefix(prefix)}
+
+    return _wait(collect())
+
+
+def children(store: Store, prefix: str) -> set[str]:
+    """The names one level below ``prefix`` (one delimited LIST on object storage; no walk on disk)."""
+
+    async def collect() -> set[str]:
+        return {name async for name in store.list_dir(prefix)}
+
+    return _wait(collect())
+
+
+def size(store: Store, prefix: str) -> int:
+    """The bytes of every object under ``prefix``."""
+    return _wait(store.getsize_prefix(prefix))
+
+
+def read(store: Store, key: str) -> bytes | None:
+    """The bytes of object ``key``, or None where there is none."""
+
+    async def get() -> bytes | None:
+        buffer = await store.get(key, prototype=default_buffer_prototype())
+        return None if buffer is None else buffer.to_bytes()
+
+    return _wait(get())
+
+
+def delete(store: Store, keys: Iterable[str]) -> None:
+    """Delete the objects ``keys`` (an absent one is fine)."""
+
+    async def remove() -> None:
+        await asyncio.gather(*(store.delete(key) for key in keys))
+
+    _wait(remove())

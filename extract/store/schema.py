@@ -1,0 +1,125 @@
+"""What a store holds, defined in one place: its format, its codecs, and the identity and attributes
+built from the job's parts.
+
+The parts come in as plain values (``JobParts``): the job's options and what the model source, the
+data source and the layer set-up resolved them to. The store package never sees a model or a data
+source; the runner collects the parts and asks this module for the store's metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
+from ..errors import ExtractError
+
+FORMAT = "extract-features"
+FORMAT_VERSION = 2  # 2: every object has a crc32c checksum
+KNOWN_FORMAT_VERSIONS = (1, 2)
+COMPRESSORS = ("zstd", "blosc", "none")
+# numpy's variable-width strings: zarr writes them 3x faster than fixed-width "<U" (numpy >= 2)
+STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
+# the identity's fields a reader most often wants, copied to the top level of the attributes
+TOP_LEVEL = ("model", "weights", "preprocessing", "num_samples", "chunk_size", "dtype", "precision", "pool")
+
+
+def codecs(compressor: str) -> list[Any] | None:
+    """The compressor of ``--compressor`` (refused by name when unknown)."""
+    if compressor == "zstd":
+        return [ZstdCodec(level=1)]
+    if compressor == "blosc":
+        return [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")]
+    if compressor == "none":
+        return None
+    raise ExtractError(f"unknown --compressor '{compressor}'; choose one of {', '.join(COMPRESSORS)}")
+
+
+def checked(compressors: list[Any] | None) -> list[Any]:
+    """The checksum goes last: it covers the bytes as stored, after compression."""
+    return [*(compressors or []), Crc32cCodec()]
+
+
+def fingerprint(identity: Mapping[str, Any]) -> str:
+    """A stable hash of everything that decides the stored values and layout."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class JobParts:
+    """A job's parts as plain values: ``options`` (the job's options as a dict, ``JobSpec.to_dict()``)
+    and what the model, the data and the layer set-up made of them."""
+
+    options: Mapping[str, Any]
+    weights: str  # the weights the model source loaded
+    checkpoint_sha256: str | None
+    source: str  # the model source
+    preprocess: str  # the repr of the model's own transform: it decides the stored values
+    preprocessing: Mapping[str, Any]  # that transform described field by field
+    layers: Sequence[str]  # resolved layer names, in the order asked
+    shapes: Mapping[str, tuple[int, ...]]  # stored shape per sample, per layer
+    pools: Mapping[str, str]
+    layouts: Mapping[str, str | None]  # stored layout per layer (none once pooled)
+    data_listing_sha256: str | None
+    classes: Sequence[str] | None
+    num_samples: int
+    chunk_size: int
+    precision: str
+    versions: Mapping[str, str]
+    image_root: str | None = None  # where the data source's images live (the report's thumbnails)
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that decides the stored values and their layout: a store is resumed only by a job
+        with the same identity, and a differing one is named field by field."""
+        options = self.options
+        pool = options["pool"]
+        identity = {
+            "model": options["model"],
+            "weights": self.weights,
+            "checkpoint_sha256": self.checkpoint_sha256,
+            "layers": list(self.layers),
+            "data": options["data"],
+            "data_listing_sha256": self.data_listing_sha256,
+            "image_key": options["image_key"],
+            "label_key": options["label_key"],
+            "decode": options["decode"],
+            "exif_transpose": options["exif_transpose"],
+            "num_samples": self.num_samples,
+            "pool": pool if isinstance(pool, str) else list(pool),
+            "dtype": options["dtype"],
+            "precision": self.precision,
+            "chunk_size": self.chunk_size,
+            "compressor": options["compressor"],
+            "preprocessing": self.preprocess,
+        }
+        if options.get("layout"):
+            identity["layout"] = list(options["layout"])
+        return identity
+
+    def attributes(self) -> dict[str, Any]:
+        """The store's attributes at creation: the identity and its fingerprint, the job, its top-level
+        copies, and what a reader needs to interpret the arrays."""
+        identity = self.identity()
+        return {
+            "status": "running",
+            "fingerprint": fingerprint(identity),
+            "identity": identity,
+            "job": dict(self.options),
+            **{key: identity[key] for key in TOP_LEVEL},
+            "source": self.source,
+            "preprocessing": dict(self.preprocessing),
+            "pools": dict(self.pools),
+            "layouts": dict(self.layouts),
+            "dataset": self.options["data"],
+            **({"image_root": self.image_root} if self.image_root is not None else {}),
+            "classes": self.classes,
+            "layers": list(self.shapes),
+            "feature_shapes": {name: list(shape) for name, shape in self.shapes.items()},
+            "versions": dict(self.versions),
+            "runs": [],
+        }

@@ -1,0 +1,85 @@
+"""``python -m extract ARGS`` in a child forked from the test process: torch is already imported, so a
+run costs a fraction of a second, and the child can be made to kill itself at a chosen point first."""
+
+import os
+import select
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+
+# A generous bound for a child that should exit on its own: reaching it means the child hung.
+EXIT_TIMEOUT = 300.0
+
+
+def fork_start(args, before: Callable[[], None] | None = None, stderr=os.devnull, own_group: bool = False) -> int:
+    """Start the CLI in a forked child; returns its pid. ``before`` runs in the child first (to make it
+    kill itself at a chosen point); its stderr goes to the file ``stderr``; ``own_group`` makes it lead
+    a process group, as a shell job does."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if own_group:
+                os.setpgid(0, 0)
+            torch.set_num_threads(1)
+            os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - the child exits with os._exit
+            if before is not None:
+                before()
+            from extract.cli.extract import main
+
+            code = main([str(a) for a in args])
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def fork_wait(pid: int, timeout: float = EXIT_TIMEOUT) -> int:
+    """The child's exit code (-9 when killed). A child still running after ``timeout`` seconds is
+    killed and fails the test: it did not stop on its own."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        exited, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    if not exited:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"the job (pid {pid}) did not exit on its own within {timeout:g} s")
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def fork_run(args, before: Callable[[], None] | None = None, stderr=os.devnull) -> int:
+    return fork_wait(fork_start(args, before, stderr))
+
+
+def die_on(target, name: str, nth: int = 1, when=lambda *a, **k: True) -> Callable[[], None]:
+    """For ``before``: SIGKILL ourselves on the ``nth`` matching call of ``target.name``."""
+    original = getattr(target, name)
+    calls = []
+
+    def dying(*args, **kwargs):
+        if when(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    return lambda: setattr(target, name, dying)
+
+
+def die_after(target, name: str, when=lambda *a, **k: True) -> Callable[[], None]:
+    """For ``before``: SIGKILL ourselves right after the first matching call of ``target.name`` returns."""
+    original = getattr(target, name)
+
+    def dying(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if when(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    return lambda: setattr(target, name, dying)
