@@ -1,12 +1,17 @@
 """The Python capture API: hooks, truncation, interventions (the hook tutorial's examples)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
 from reference import resnet18
+from tiny_models import dict_net
 
 import extract
 from extract import Capture, ExtractError, StopForward
+from extract.capture.layout import Layout
+from extract.store.store import dimension_names
 
 
 class Net(nn.Module):
@@ -134,5 +139,84 @@ def test_unknown_edit_target():
             pass
 
 
-def test_stop_forward_is_exported():
-    assert issubclass(StopForward, Exception)
+def test_stop_forward_from_an_edit_stops_the_forward_before_later_modules():
+    """``extract.StopForward`` raised anywhere in the forward ends it, and the capture swallows it."""
+    net, x = Net(), torch.randn(2, 10)
+    later = []
+    net.fc2.register_forward_hook(lambda *a: later.append("fc2"))
+
+    def stop(output):
+        raise extract.StopForward
+
+    with Capture(net, ["fc1"], edit={"fc1": stop}) as cap:
+        assert cap.forward(x) is None
+    assert later == [] and set(cap.outputs) == set()
+    with Capture(net, ["fc1"], edit={"fc1": stop}):
+        net(x)  # the with block swallows it too
+    assert later == [] and hook_count(net) == 1
+    handle = net.fc1.register_forward_hook(lambda m, i, o: stop(o))
+    with pytest.raises(StopForward):  # without a capture nothing swallows it
+        net(x)
+    handle.remove()
+
+
+def test_retain_shape_records_every_call_of_every_module():
+    model = resnet18()
+    x = torch.randn(2, 3, 32, 32)
+    with Capture(model, retain="shape") as cap:
+        y = model(x)
+    shapes = cap.by_module()
+    assert set(shapes) == {name for name, _ in model.named_modules() if name}
+    assert shapes["layer3"] == [torch.Size([2, 256, 2, 2])]
+    assert shapes["layer1.0.relu"] == [torch.Size([2, 64, 8, 8])] * 2, "a shared module: one entry a call"
+    assert shapes["fc"] == [y.shape] and cap.outputs == {}
+    assert [name for name, _ in cap.seen][-1] == "fc", "in the order the calls returned"
+    with Capture(model, ["layer1.0.relu", "layer2"], retain="shape") as only:
+        model(x)
+        model(x[:1])  # a new forward starts a new record
+    assert only.by_module() == {
+        "layer1.0.relu": [torch.Size([1, 64, 8, 8])] * 2,
+        "layer2": [torch.Size([1, 128, 4, 4])],
+    }
+    assert hook_count(model) == 0
+
+
+def test_retain_shape_keeps_tuple_and_dict_structure():
+    model = dict_net()
+    with Capture(model, retain="shape") as cap:
+        model(torch.randn(3, 3, 32, 32))
+    (tree,) = cap.by_module()["heads"]
+    assert isinstance(tree, dict) and all(isinstance(shape, torch.Size) for shape in tree.values())
+
+
+def test_retain_reference_keeps_the_output_objects_themselves():
+    net, x = Net(), torch.randn(4, 10)
+    with Capture(net, retain="reference") as cap:
+        y = net(x)
+    ((name, kept),) = [(n, o) for n, o in cap.seen if n == "fc2"]
+    assert kept is y, "the very tensor the module returned, not a clone"
+    assert [n for n, _ in cap.seen] == ["fc1", "fc2"]
+
+
+def test_retain_reference_sees_an_edit():
+    net, x = Net(), torch.randn(4, 10)
+    with Capture(net, ["fc1"], retain="reference", edit={"fc1": lambda o: torch.zeros_like(o)}) as cap:
+        net(x)
+    assert cap.by_module()["fc1"][0].eq(0).all()
+
+
+def test_retain_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="choose one of output, shape, reference"):
+        Capture(Net(), retain="clone")
+    with pytest.raises(ValueError, match="reduce and sink apply to retain='output'"):
+        Capture(Net(), retain="shape", sink=lambda name, value: None)
+
+
+def test_layout_type_is_one_definition_that_stays_a_plain_string():
+    assert [str(layout) for layout in Layout] == ["NCHW", "NHWC", "NLC", "NCL"]
+    assert json.dumps({"a": Layout.NHWC}) == json.dumps({"a": "NHWC"}) and f"{Layout.NLC}" == "NLC"
+    assert Layout.NHWC.spatial_axes == (1, 2) and Layout.NCHW.spatial_axes == (2, 3) and Layout.NLC.spatial_axes is None
+    assert Layout.NCL.token_axis == 2 and Layout.NLC.token_axis == 1 and Layout.NCHW.token_axis is None
+    assert dimension_names("x", 3, "NHWC") == ("sample", "x.height", "x.width", "x.channel")
+    assert dimension_names("x", 2, Layout.NCL) == ("sample", "x.dim", "x.token")
+    assert dimension_names("x", 2, "NCHW") == ("sample", "x.token", "x.dim"), "a layout of the wrong rank is ignored"

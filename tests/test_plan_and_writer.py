@@ -1,7 +1,6 @@
 """Chunk planning, host staging and the writer, without the CLI."""
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -75,10 +74,16 @@ def test_staging_reuses_slots_and_blocks_when_all_are_in_use():
     staging = HostStaging({"a": (3,)}, batch_size=4, dtype=torch.float16, device=torch.device("cpu"), slots=2)
     first, second = staging.acquire(), staging.acquire()
     pointers = {first.buffers["a"].data_ptr(), second.buffers["a"].data_ptr()}
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(staging.acquire()))
+    got, checks, found_empty = [], [], threading.Event()
+
+    def check():  # acquire calls it before each wait for a slot: a second call means the first wait found none
+        checks.append(None)
+        if len(checks) == 2:
+            found_empty.set()
+
+    waiter = threading.Thread(target=lambda: got.append(staging.acquire(check)))
     waiter.start()
-    time.sleep(0.3)
+    assert found_empty.wait(timeout=10)
     assert got == [], "a full pool must make the loop wait (backpressure)"
     staging.release(first)
     waiter.join(timeout=5)

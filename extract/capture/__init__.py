@@ -1,8 +1,10 @@
-"""Capture: the one hook manager (``Capture``), layer names (resolve, select, aliases), the layout of an
-output, pooling, the set-up forward that validates layers before anything is written, and the host
-staging that moves captured batches off the device."""
+"""Capture: the one hook manager (``Capture``, hooks.py), layer names (resolve, select, aliases;
+layers.py), the ``Layout`` of an output and how it is inferred (layout.py), pooling (pooling.py), the
+dummy-batch forwards that list layers and validate them before anything is written (setup.py), and
+the host staging that moves captured batches off the device (staging.py)."""
 
 from .hooks import Capture, Edit, StopForward
 from .layers import LayerRef, resolve_layers
+from .layout import Layout
 
-__all__ = ["Capture", "Edit", "LayerRef", "StopForward", "resolve_layers"]
+__all__ = ["Capture", "Edit", "LayerRef", "Layout", "StopForward", "resolve_layers"]

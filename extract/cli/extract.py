@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..capture.layout import Layout
 from ..capture.pooling import POOL_CHOICES
 from ..data.registry import data_kinds
 from ..errors import ExtractError
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout",
         nargs="+",
         metavar="LAYER=L",
-        help="NCHW | NHWC | NLC | NCL for layers whose layout --list-layers cannot tell (pooling needs it)",
+        help=f"{' | '.join(Layout)} for layers whose layout --list-layers cannot tell (pooling needs it)",
     )
     p.add_argument("--dtype", help=f"storage dtype: {' | '.join(DTYPES)} (default float16)")
     p.add_argument(
