@@ -1,3 +1,4 @@
 """The store: its schema (format, codecs, identity and attributes), the chunk geometry every stage
 shares, the zarr group a job writes and reads, the background writer, the lock beside it, and
-verification. It speaks zarr's store API (``objects``), never paths inside the store."""
+verification. An open store is read, listed, sized and pruned through zarr's store API (``objects``);
+claiming ``--out`` and building the store beside it and renaming it into place are filesystem steps."""
