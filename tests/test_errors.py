@@ -54,3 +54,32 @@ def test_a_busy_store_and_a_damaged_one_have_their_own_types(tmp_path):
 def test_the_type_survives_being_told_to_other_ranks():
     assert type(rebuilt(StoreBusyError, "held")) is StoreBusyError and str(rebuilt(StoreBusyError, "held")) == "held"
     assert type(rebuilt(LayerNotFoundError, "nope")) is LayerNotFoundError
+
+
+def test_a_glob_that_would_match_across_dots_says_how_to_write_it():
+    import torchvision
+
+    with pytest.raises(KeyError) as error:
+        resolve_layers(torchvision.models.resnet18(), ["layer*.conv1"])
+    message = str(error.value)
+    assert "'*' stays within one dotted segment" in message and "write layer*.*.conv1" in message
+    assert "8 modules match it across segments" in message
+    assert [r.name for r in resolve_layers(torchvision.models.resnet18(), ["layer*.*.conv1"])][:2] == [
+        "layer1.0.conv1",
+        "layer1.1.conv1",
+    ]
+
+
+def test_the_interrupt_line_counts_the_whole_job():
+    import signal
+
+    from extract.job.interrupt import Interrupted
+
+    stopped = Interrupted(signal.SIGTERM, 0)
+    stopped.chunks_written, stopped.num_chunks, stopped.this_run = 7, 12, 3  # as the store's owner counts them
+    assert str(stopped) == (
+        "interrupted by SIGTERM: 7 chunks written and marked done, 5 of 12 left (this run wrote 3); "
+        "rerun the same command to resume"
+    )
+    one = Interrupted(signal.SIGINT, 1)
+    assert str(one).startswith("interrupted by SIGINT: 1 chunk written and marked done;")

@@ -28,14 +28,20 @@ class Interrupted(BaseException):
         self.signum = signum
         self.exit_code = 128 + signum
         self.chunks_written = chunks_written  # the whole job's, once the store's owner has counted them
+        self.this_run: int | None = None  # of those, written by this run (set with the job's count)
+        self.num_chunks: int | None = None  # the job's chunks
         self.quiet = False  # ranks other than 0 stay silent: rank 0 reports for the job
         super().__init__(signum, chunks_written)
 
+    def progress(self) -> str:
+        """``N chunks written and marked done``, with what is left of the job once the store was counted."""
+        done = f"{self.chunks_written} chunk{'s' if self.chunks_written != 1 else ''} written and marked done"
+        if self.num_chunks is None or self.this_run is None:
+            return done
+        return f"{done}, {self.num_chunks - self.chunks_written} of {self.num_chunks} left (this run wrote {self.this_run})"
+
     def __str__(self) -> str:
-        return (
-            f"interrupted by {signal.Signals(self.signum).name}: {self.chunks_written} chunks written and marked "
-            "done; rerun the same command to resume"
-        )
+        return f"interrupted by {signal.Signals(self.signum).name}: {self.progress()}; rerun the same command to resume"
 
 
 class PeerStopped(Interrupted):
@@ -47,10 +53,7 @@ class PeerStopped(Interrupted):
         self.cause = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
 
     def __str__(self) -> str:
-        return (
-            f"another process of the job stopped ({self.cause}); {self.chunks_written} chunks written and marked "
-            "done; rerun the same command to resume"
-        )
+        return f"another process of the job stopped ({self.cause}); {self.progress()}; rerun the same command to resume"
 
 
 class StopRequests:

@@ -206,7 +206,9 @@ class StoreLife:
             if not self.main:
                 error.quiet = True  # rank 0 speaks for the job
                 return
-            error.chunks_written = max(0, int(store.done_flags().sum()) - self._done_before)
+            done = store.done_flags()
+            error.chunks_written, error.num_chunks = int(done.sum()), len(done)  # the job's, as the README says
+            error.this_run = max(0, error.chunks_written - self._done_before)
         if not self.main:
             return
         if isinstance(error, Interrupted | KeyboardInterrupt):
