@@ -241,6 +241,34 @@ def test_hf_list_layers_shows_the_aliases(cli, dinov2_dir):
     assert code == 2 and "only 4 hidden_states" in err
 
 
+@pytest.mark.parametrize(
+    ("removed", "message"),
+    [
+        ("preprocessor_config.json", "has no preprocessor_config.json, so the image processor cannot be loaded"),
+        ("model.safetensors", "has no model.safetensors or model.safetensors.index.json or pytorch_model.bin"),
+    ],
+)
+def test_hf_directory_missing_a_file_names_it_in_one_line(cli, dinov2_dir, tmp_path, removed, message):
+    folder = tmp_path / "incomplete"
+    folder.mkdir()
+    for file in dinov2_dir.iterdir():
+        if file.name != removed:
+            (folder / file.name).write_bytes(file.read_bytes())
+    code, _, err = cli("--model", f"hf:{folder}", "--layers", "hidden_states.1", "--data", "synthetic:2",
+                       "--out", tmp_path / "o.zarr")  # fmt: skip
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "chunks" not in err
+    assert not (tmp_path / "o.zarr").exists()
+
+
+@pytest.mark.parametrize("name", ["./hf_vitt", "models/dinov2/small", "{file}"])
+def test_hf_path_that_is_not_a_directory_says_so(cli, dinov2_dir, tmp_path, name):
+    name = name.format(file=dinov2_dir / "config.json")
+    code, _, err = cli("--model", f"hf:{name}", "--layers", "hidden_states.1", "--out", tmp_path / "o.zarr")
+    assert code == 2 and f"{name} is not a directory" in err and "alphanumeric" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 # --- OpenCLIP --------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,6 +111,36 @@ def test_skip_bad_images_records_them_invalid(cli, tmp_path, broken_tree):
     expected = reference(resnet18(), load_images(good, 32), {"layer3": ("layer3", None)}, pool="avg")["layer3"]
     assert np.abs(features[valid] - expected).max() <= 1e-5
     assert group.attrs["summary"]["invalid_samples"] == 3
+
+
+def test_each_way_the_bad_image_message_offers_works(cli, tmp_path):
+    """The message offers two ways on: --skip-bad-images resumes and records the image invalid; removing
+    the image changes the data, so that rerun needs --overwrite (without it the store is refused)."""
+    root = tmp_path / "images"
+    files = make_png_tree(root, {"a": 6, "b": 6})
+    broken = root / "b" / "002.png"
+    broken.write_bytes(b"not an image")
+    args = [*SMALL, "--data", f"imagefolder:{root}", "--chunk-size", "2", "--batch-size", "2"]
+    first = tmp_path / "first.zarr"
+    code, _, err = cli(*args, "--out", first)
+    line = one_line_error(err)
+    assert code == 2 and "rerun with --skip-bad-images to resume" in line and "rerun with --overwrite" in line
+    assert "(4 chunks written)" in line
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(first, copy)
+
+    code, _, err = cli(*args, "--out", first, "--skip-bad-images")
+    assert code == 0 and "resuming" in err and "4 of 6 chunks already done" in err, err
+    valid = zarr.open_group(first, mode="r")["valid"][:]
+    assert [f for (f, _), ok in zip(files, valid, strict=True) if not ok] == [broken]
+
+    broken.unlink()
+    code, _, err = cli(*args, "--out", copy)
+    assert code == 2 and "holds a different job" in one_line_error(err)
+    code, _, err = cli(*args, "--out", copy, "--overwrite")
+    assert code == 0, err
+    group = zarr.open_group(copy, mode="r")
+    assert group.attrs["status"] == "complete" and group["valid"][:].all() and group["valid"].shape == (11,)
 
 
 def test_float16_overflow_is_reported_with_the_layer(cli, tmp_path):

@@ -294,8 +294,8 @@ def _loop(
         raise Interrupted(stop.signum, writer.chunks_written)
     if bad_image is not None:
         raise ExtractError(
-            f"cannot decode image {bad_image}; fix or remove it, or pass --skip-bad-images "
-            f"({writer.chunks_written} chunks written; a rerun resumes)"
+            f"cannot decode image {bad_image}; rerun with --skip-bad-images to resume and record it invalid "
+            f"(valid=False), or remove it and rerun with --overwrite ({writer.chunks_written} chunks written)"
         )
 
 

@@ -59,11 +59,30 @@ def _size_dict(size: Any) -> int | list[int] | None:
     return int(get("shortest_edge")) if get("shortest_edge") else None
 
 
+# what ``from_pretrained`` reads from a save_pretrained directory, per part: each group, one of its names
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+NEEDED_FILES = {
+    "the image processor": (("preprocessor_config.json",),),
+    "the config": (("config.json",),),
+    "the weights": (("config.json",), WEIGHT_FILES),
+}
+
+
 def _load(what: str, name: str, load: Any, hub_offline: bool) -> Any:
     """``load`` (a ``from_pretrained``) from a directory, else from the Hugging Face cache, else,
     where the hub can be reached, from the hub."""
     if Path(name).is_dir():
-        return load(name)
+        return _load_directory(what, name, load)
+    if Path(name).exists() or not _is_repo_id(name):
+        raise ExtractError(
+            f"--model hf:{name}: {name} is not a directory (nor a Hugging Face repo id, ORG/NAME); "
+            "use hf:DIR, a directory written by save_pretrained (model and image processor)"
+        )
     try:
         return load(name, local_files_only=True)
     except OSError as e:
@@ -73,6 +92,31 @@ def _load(what: str, name: str, load: Any, hub_offline: bool) -> Any:
         return load(name)
     except (OSError, ValueError) as e:
         raise _not_found(what, name, e) from None
+
+
+def _load_directory(what: str, name: str, load: Any) -> Any:
+    """transformers' own message for an incomplete directory speaks of the hub; this one names the file."""
+    for names in NEEDED_FILES[what]:
+        if not any(Path(name, file).is_file() for file in names):
+            raise ExtractError(
+                f"--model hf:{name}: the directory has no {' or '.join(names)}, so {what} cannot be loaded; "
+                "write it there with save_pretrained (model and image processor)"
+            )
+    try:
+        return load(name)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ExtractError(f"--model hf:{name}: cannot load {what} from it ({e.__class__.__name__}: {first})") from None
+
+
+def _is_repo_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _not_found(what: str, name: str, error: BaseException) -> ExtractError:
