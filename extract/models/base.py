@@ -48,7 +48,7 @@ class LoadedModel:
     ``input_name`` is the keyword the model takes its pixels by (``pixel_values`` for transformers),
     ``None`` for a positional argument. ``aliases`` are extra layer names (``hidden_states.N``) and
     ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
-    knows it and the shapes cannot tell (see ``extract.layout``).
+    knows it and the shapes cannot tell (see ``extract.capture.layout``).
     """
 
     model: nn.Module
