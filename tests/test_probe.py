@@ -282,3 +282,29 @@ def test_knn_and_minibatch_probe_on_cuda_equal_cpu(r18_store):
     cpu = probe_layers(r18_store, ["layer4"], ProbeOptions(solver="sgd", device="cpu", epochs=3), **QUIET)["layer4"]
     gpu = probe_layers(r18_store, ["layer4"], ProbeOptions(solver="sgd", device="cuda", epochs=3), **QUIET)["layer4"]
     assert abs(gpu["test_accuracy"] - cpu["test_accuracy"]) <= 0.05
+
+
+def test_probe_compare_and_report_work_on_an_avg_k_store(tmp_path, capsys):
+    """``--pool avg:2`` stores (C, 2, 2) maps: the store records them as NCHW, so the analysis
+    commands can average them further without a --layout they do not have."""
+    from extract.cli.compare import main as compare_main
+    from extract.cli.extract import main as extract_main
+    from extract.cli.report import main as report_main
+
+    out = tmp_path / "avgk.zarr"
+    assert extract_main([
+        "--model", "resnet18", "--weights", "none", "--image-size", "32", "--layers", "layer2", "layer3",
+        "--pool", "layer2=avg:2", "layer3=avg", "--data", "synthetic:40", "--chunk-size", "8", "--num-workers", "0",
+        "--out", str(out),
+    ]) == 0  # fmt: skip
+    features = open_features(out)
+    assert features.attrs["layouts"] == {"layer2": "NCHW", "layer3": None}
+    assert features.shapes["layer2"] == (128, 2, 2)
+    capsys.readouterr()
+    assert main([str(out), "--method", "knn"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["layer2", "layer3"] and "128 features, pool avg" in lines[0]
+    assert compare_main([str(out)]) == 0
+    assert "linear CKA" in capsys.readouterr().out
+    assert report_main([str(out), "--out", str(tmp_path / "report.html")]) == 0
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'report.html'}: ")

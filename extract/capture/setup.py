@@ -29,8 +29,15 @@ class LayerSetup:
     shapes: dict[str, tuple[int, ...]]
 
     def stored_layouts(self) -> dict[str, str | None]:
-        """The layout of each stored array: the captured one when kept whole, none once pooled."""
-        return {name: None if self.pools[name] != "none" else self.layouts[name] for name in self.shapes}
+        """The layout of each stored array: the captured one when kept whole, NCHW after ``avg:K``
+        (it pools a channels-last map as NCHW too), none for the vectors the other pools leave."""
+        return {name: _stored_layout(self.pools[name], self.layouts[name]) for name in self.shapes}
+
+
+def _stored_layout(pool: str, captured: str | None) -> str | None:
+    if pool == "none":
+        return captured
+    return "NCHW" if pool.startswith("avg:") else None
 
 
 def setup_layers(
