@@ -130,9 +130,11 @@ def test_two_stores_matched_by_keys(tmp_path, capsys):
     assert main([f"{a}:x,y", str(b), "--heatmap", str(png), "--json", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("linear CKA (minibatch, unbiased; 40 samples, 40 samples matched by key")
-    assert printed[1].split() == ["rot"] and printed[2].split()[0] == "x" and printed[3].split()[0] == "y"
-    assert float(printed[2].split()[1]) == pytest.approx(1.0, abs=1e-3)
-    assert json.loads(out.read_text())["cols"] == ["rot"]
+    assert printed[1] == f"rows: layers of {a}; columns: layers of {b}"  # which store is which
+    assert printed[2].split() == ["rot"] and printed[3].split()[0] == "x" and printed[4].split()[0] == "y"
+    assert float(printed[3].split()[1]) == pytest.approx(1.0, abs=1e-3)
+    written = json.loads(out.read_text())
+    assert written["cols"] == ["rot"] and (written["row_store"], written["col_store"]) == (str(a), str(b))
     with Image.open(png) as image:
         assert image.format == "PNG" and min(image.size) > 200
 
@@ -179,3 +181,60 @@ def test_cka_on_cuda_equals_cpu(tmp_path):
     cpu = minibatch_cka(one_side(store), batch_size=64, device="cpu").matrix
     gpu = minibatch_cka(one_side(store), batch_size=64, device="cuda").matrix
     np.testing.assert_allclose(gpu, cpu, rtol=1e-9, atol=1e-9)
+
+
+def test_stores_whose_keys_differ_say_so_and_match_by_rows(tmp_path, capsys):
+    """The same images read from a folder and from shards: keys differ, N agrees."""
+    values = layers(30, seed=7)
+    a = array_store(tmp_path / "wds.zarr", {"x": values["x"]}, np.zeros(30, int), chunk_size=8)
+    add_keys(a, [f"shard-000000.tar/{i:06d}" for i in range(30)])
+    b = array_store(tmp_path / "pq.zarr", {"x": values["rotated"]}, np.zeros(30, int), chunk_size=8)
+    add_keys(b, [f"train.parquet/{i}" for i in range(30)])
+    assert main([str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"extract.compare: error: no keys match between {a} and {b} (e.g. 'shard-000000.tar/000000' and "
+        "'train.parquet/0'); if row i is the same image in both (30 samples each), compare with --match rows\n"
+    )
+    assert main([str(a), str(b), "--match", "rows"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "matched by row index (30 samples; --match rows" in printed[0]
+    assert float(printed[3].split()[1]) == pytest.approx(1.0, abs=1e-3)
+    c = array_store(tmp_path / "c.zarr", {"x": values["x"][:20]}, np.zeros(20, int), chunk_size=8)
+    add_keys(c, [f"other/{i}" for i in range(20)])
+    with pytest.raises(ExtractError, match="they hold 30 and 20 samples: not the same images"):
+        compare(str(a), str(c))
+    with pytest.raises(ExtractError, match="--match rows needs stores of the same size"):
+        compare(str(a), str(c), match="rows")
+
+
+def test_constant_layer_gets_nan_drawn_as_constant(tmp_path, capsys):
+    values = layers(40, seed=8)
+    values["cls0"] = np.tile(np.float32([0.5, -1.0, 2.0]), (40, 1))  # the same for every input
+    store = array_store(tmp_path / "c.zarr", values, np.zeros(40, int), chunk_size=8)
+    cka = compare(str(store), batch_size=16)
+    at = cka.rows.index("cls0")
+    assert np.isnan(cka.matrix[at]).all() and np.isnan(cka.matrix[:, at]).all()  # its own diagonal too
+    others = np.delete(np.delete(cka.matrix, at, 0), at, 1)
+    assert np.isfinite(others).all() and cka.constant == ("cls0",)
+    png, out = tmp_path / "h.png", tmp_path / "c.json"
+    assert main([str(store), "--heatmap", str(png), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("layer 'cls0' is constant (the same features for every sample")
+    assert printed[-1].split() == ["cls0", "const", "const", "const", "const"]
+    assert json.loads(out.read_text())["cka"][at] == [None] * 4
+    with Image.open(png) as image:
+        assert image.format == "PNG"
+
+
+def test_a_layer_that_cannot_be_used_is_left_out_with_a_note(tmp_path, capsys):
+    values = layers(40, seed=9)
+    maps = np.repeat(values["x"][:, :, None, None], 4, axis=2).reshape(40, 6, 2, 2)
+    store = array_store(tmp_path / "m.zarr", {"map": maps, "x": values["x"], "y": values["y"]}, np.zeros(40, int), 8)
+    assert main([str(store), "--pool", "avg"]) == 0  # avg fits the map only
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith(f"skipped layer 'x' of {store}: load('x', pool='avg') needs (B, C, H, W)")
+    assert printed[1].startswith(f"skipped layer 'y' of {store}: ")
+    assert printed[3].split() == ["map"] and float(printed[4].split()[1]) == pytest.approx(1.0)
+    assert main([f"{store}:x,y", "--pool", "avg"]) == 2
+    assert capsys.readouterr().err.startswith("extract.compare: error: no layer left to compare (x: load('x'")

@@ -282,3 +282,71 @@ def test_knn_and_minibatch_probe_on_cuda_equal_cpu(r18_store):
     cpu = probe_layers(r18_store, ["layer4"], ProbeOptions(solver="sgd", device="cpu", epochs=3), **QUIET)["layer4"]
     gpu = probe_layers(r18_store, ["layer4"], ProbeOptions(solver="sgd", device="cuda", epochs=3), **QUIET)["layer4"]
     assert abs(gpu["test_accuracy"] - cpu["test_accuracy"]) <= 0.05
+
+
+def test_probe_compare_and_report_work_on_an_avg_k_store(tmp_path, capsys):
+    """``--pool avg:2`` stores (C, 2, 2) maps: the store records them as NCHW, so the analysis
+    commands can average them further without a --layout they do not have."""
+    from extract.cli.compare import main as compare_main
+    from extract.cli.extract import main as extract_main
+    from extract.cli.report import main as report_main
+
+    out = tmp_path / "avgk.zarr"
+    assert extract_main([
+        "--model", "resnet18", "--weights", "none", "--image-size", "32", "--layers", "layer2", "layer3",
+        "--pool", "layer2=avg:2", "layer3=avg", "--data", "synthetic:40", "--chunk-size", "8", "--num-workers", "0",
+        "--out", str(out),
+    ]) == 0  # fmt: skip
+    features = open_features(out)
+    assert features.attrs["layouts"] == {"layer2": "NCHW", "layer3": None}
+    assert features.shapes["layer2"] == (128, 2, 2)
+    capsys.readouterr()
+    assert main([str(out), "--method", "knn"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["layer2", "layer3"] and "128 features, pool avg" in lines[0]
+    assert compare_main([str(out)]) == 0
+    assert "linear CKA" in capsys.readouterr().out
+    assert report_main([str(out), "--out", str(tmp_path / "report.html")]) == 0
+    assert capsys.readouterr().out.startswith(f"{tmp_path / 'report.html'}: ")
+
+
+def test_a_layer_that_cannot_be_used_is_skipped_with_a_note(tmp_path, capsys):
+    x, y = gaussian_classes(200, dim=16)
+    maps = np.repeat(x[:, :, None, None], 4, axis=2).reshape(200, 16, 2, 2)
+    store = array_store(tmp_path / "mixed.zarr", {"map": maps, "vec": x}, y, chunk_size=50)
+    # --pool avg fits the map, not the vector: the vector is skipped, the map still probed
+    assert main([str(store), "--pool", "avg", "--method", "knn"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("map: test accuracy ")
+    assert lines[1].startswith("vec: skipped (load('vec', pool='avg') needs (B, C, H, W) outputs") and len(lines) == 2
+    # no layer left: one line, exit 2, each layer's reason
+    assert main([str(store), "--layers", "vec", "--pool", "avg"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("extract.probe: error: no layer left to probe (vec: load('vec'")
+
+
+def test_a_constant_layer_is_reported_as_constant_not_scored(tmp_path, capsys):
+    x, y = gaussian_classes(200, dim=16)
+    constant = np.tile(np.linspace(-1, 1, 8, dtype=np.float32), (200, 1))  # a class token: the same for every input
+    store = array_store(tmp_path / "const.zarr", {"cls0": constant, "vec": x}, y, chunk_size=50)
+    records = probe_layers(store, options=ProbeOptions(), **QUIET)
+    assert records["cls0"]["constant"] is True and records["cls0"]["test_accuracy"] is None
+    assert records["vec"]["test_accuracy"] > 0.2 and "constant" not in records["vec"]  # chance is 0.1
+    assert np.isnan(probe(store, ["cls0"], log=lambda line: None)["cls0"])
+    out = tmp_path / "p.json"
+    assert main([str(store), "--method", "knn", "--json", str(out)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("cls0: constant, not scored (every training sample has the same features")
+    assert json.loads(out.read_text())["layers"][0]["test_accuracy"] is None
+
+
+def test_train_and_test_stores_use_the_layers_both_hold(tmp_path, capsys):
+    x, y = gaussian_classes(200, dim=16)
+    train = array_store(tmp_path / "a.zarr", {"layer2": x, "layer3": x[:, :8]}, y, chunk_size=50)
+    test = array_store(tmp_path / "b.zarr", {"layer2": x[:100], "layer4": x[:100, :4]}, y[:100], chunk_size=50)
+    assert main(["--train", str(train), "--test", str(test), "--method", "knn"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"left out, not in both stores: layer3 (only in {train}), layer4 (only in {test})"
+    assert lines[1].startswith("layer2: test accuracy ") and len(lines) == 2
+    assert main(["--train", str(train), "--test", str(test), "--layers", "layer3"]) == 2
+    assert f"hold no layer in common: layer3 (only in {train})" in capsys.readouterr().err

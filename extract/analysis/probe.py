@@ -7,7 +7,9 @@
 
 Per layer: load the features (maps average-pooled, token outputs reduced to the class token unless
 ``pool`` says otherwise), split the labelled samples of one store by a seeded permutation (or
-train on one store and test on another), and report the test accuracy, one line per layer.
+train on one store and test on another), and report the test accuracy, one line per layer. A layer
+that cannot be read as asked is skipped with a line saying why (the probe fails only when none is
+left); a constant layer (the same features for every sample) is reported as constant, not scored.
 
 - linear, small N: standardize with the training statistics and fit a multinomial logistic
   regression by full-batch L-BFGS on the CPU (exact and deterministic: zero init, convex loss).
@@ -18,6 +20,7 @@ train on one store and test on another), and report the test accuracy, one line 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ from ..read.features import Features, open_features
 from .knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_predict
 from .linear import DEFAULT_LRS, fit_minibatch
 from .linear import accuracy as streamed_accuracy
-from .samples import Samples, default_pool, labelled_rows, select_layers
+from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, no_layer_left, select_layers
 
 __all__ = [
     "ProbeOptions",
@@ -177,10 +180,29 @@ def probe_layers(
     ``options.seed``), or both ``train`` and ``test`` stores."""
     options = options or ProbeOptions()
     train_features, train_rows, test_features, test_rows, how = _parts(store, train, test, test_fraction, options.seed)
-    names = select_layers(train_features.layers, layers, store=train_features.path)
-    if test_features is not train_features:
-        select_layers(test_features.layers, names, store=test_features.path)  # every layer in both stores
+    if test_features is train_features:
+        names = select_layers(train_features.layers, layers, store=train_features.path)
+    else:
+        names = _shared_layers(train_features, test_features, layers, log)
     return probe_rows(train_features, train_rows, test_features, test_rows, names, options, how=how, log=log)
+
+
+def _shared_layers(
+    train: Features, test: Features, patterns: Sequence[str] | None, log: Callable[[str], None]
+) -> list[str]:
+    """The layers (of ``patterns``) that both stores hold, in the train store's order; one line names
+    those only one of them holds."""
+    stored = [*train.layers, *(layer for layer in test.layers if layer not in train.layers)]
+    names = select_layers(stored, patterns, store=f"{train.path} or {test.path}")
+    shared = [name for name in names if name in train.layers and name in test.layers]
+    left_out = [
+        f"{name} (only in {train.path if name in train.layers else test.path})" for name in names if name not in shared
+    ]
+    if not shared:
+        raise ExtractError(f"{train.path} and {test.path} hold no layer in common: {', '.join(left_out)}")
+    if left_out:
+        log(f"left out, not in both stores: {', '.join(left_out)}")
+    return shared
 
 
 def probe_rows(
@@ -198,29 +220,58 @@ def probe_rows(
     options = options or ProbeOptions()
     run_on = resolve_device(options.device)
     num_classes = int(max(train_features.labels.max(), test_features.labels.max())) + 1
-    records = {}
+    records, skipped = {}, {}
     for layer in layers:
-        layer_pool = options.pool or default_pool(train_features, layer)
-        train_part = Samples(train_features, layer, layer_pool, train_rows)
-        test_part = Samples(test_features, layer, layer_pool, test_rows)
-        if train_part.dim != test_part.dim:
-            raise ExtractError(
-                f"layer '{layer}' has {train_part.dim} features in {train_features.path} but {test_part.dim} in "
-                f"{test_features.path}: the stores come from different models or pooling"
+        try:
+            records[layer] = _probe_layer(
+                layer, train_features, train_rows, test_features, test_rows, num_classes, options, run_on, how, log
             )
-        record: dict[str, Any] = {
-            "layer": layer, "method": options.method, "pool": layer_pool or "none", "split": how,
-            "num_train": len(train_part), "num_test": len(test_part), "num_features": train_part.dim,
-            "num_classes": num_classes, "chance": 1 / num_classes,
-        }  # fmt: skip
-        detail = _fit_and_test(record, train_part, test_part, num_classes, options, run_on)
-        records[layer] = record
-        log(
-            f"{layer}: test accuracy {record['test_accuracy']:.3f} ({detail}; {len(train_part)} train / "
-            f"{len(test_part)} test, {train_part.dim} features, pool {record['pool']}, "
-            f"{num_classes} classes, chance {1 / num_classes:.3f})"
-        )
+        except UnusableLayerError as e:
+            skipped[layer] = e.reason
+            log(f"{layer}: skipped ({e.reason})")
+    if not records:
+        raise no_layer_left("probe", skipped)
     return records
+
+
+def _probe_layer(
+    layer: str,
+    train_features: Features,
+    train_rows: np.ndarray,
+    test_features: Features,
+    test_rows: np.ndarray,
+    num_classes: int,
+    options: ProbeOptions,
+    run_on: torch.device,
+    how: str,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """One layer's record, and its line in the log."""
+    layer_pool = options.pool or default_pool(train_features, layer)
+    train_part = Samples(train_features, layer, layer_pool, train_rows)
+    test_part = Samples(test_features, layer, layer_pool, test_rows)
+    if train_part.dim != test_part.dim:
+        raise UnusableLayerError(
+            test_features.path, layer, f"it has {train_part.dim} features in {train_features.path} but "
+            f"{test_part.dim} in {test_features.path}: the stores come from different models or pooling",
+        )  # fmt: skip
+    record: dict[str, Any] = {
+        "layer": layer, "method": options.method, "pool": layer_pool or "none", "split": how,
+        "num_train": len(train_part), "num_test": len(test_part), "num_features": train_part.dim,
+        "num_classes": num_classes, "chance": 1 / num_classes,
+    }  # fmt: skip
+    sizes = f"{len(train_part)} train / {len(test_part)} test, {train_part.dim} features, pool {record['pool']}"
+    if train_part.constant:
+        record.update(constant=True, test_accuracy=None)
+        log(f"{layer}: constant, not scored (every training sample has the same features: the layer does not "
+            f"depend on the input; {sizes})")  # fmt: skip
+        return record
+    detail = _fit_and_test(record, train_part, test_part, num_classes, options, run_on)
+    log(
+        f"{layer}: test accuracy {record['test_accuracy']:.3f} ({detail}; {sizes}, "
+        f"{num_classes} classes, chance {1 / num_classes:.3f})"
+    )
+    return record
 
 
 def _fit_and_test(
@@ -273,9 +324,9 @@ def probe(
     log: Callable[[str], None] = print,
     **options: Any,
 ) -> dict[str, float]:
-    """Test accuracy per layer (all stored layers by default); ``options`` are ``ProbeOptions`` fields
-    (``method="knn"``, ``epochs=50``, ...), the other arguments as ``probe_layers``."""
+    """Test accuracy per layer (all stored layers by default; NaN for a constant one); ``options`` are
+    ``ProbeOptions`` fields (``method="knn"``, ``epochs=50``, ...), the other arguments as ``probe_layers``."""
     records = probe_layers(
         store, layers, ProbeOptions(**options), train=train, test=test, test_fraction=test_fraction, log=log
     )
-    return {layer: r["test_accuracy"] for layer, r in records.items()}
+    return {layer: math.nan if r.get("constant") else r["test_accuracy"] for layer, r in records.items()}

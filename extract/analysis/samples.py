@@ -1,9 +1,10 @@
 """What the probes and comparisons read: the layers a user names (globs as the CLI expands them), and
-the labelled rows of one layer of a store, read block by block so memory stays bounded."""
+the labelled rows of one layer of a store, read block by block so memory stays bounded. A layer that
+cannot be read as asked raises ``UnusableLayerError``, so that a command skips that layer only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -11,11 +12,52 @@ import numpy as np
 import torch
 
 from ..capture.layers import closest, matches_glob
-from ..errors import LayerNotFoundError
+from ..errors import ExtractError, LayerNotFoundError
 from ..read.features import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
 BLOCK_BYTES = 16 * 2**20
+# Rows that differ by less than this, relative to the largest value, are the same vector: float
+# rounding of one computation that does not depend on the input.
+CONSTANT_TOLERANCE = 1e-6
+
+
+class UnusableLayerError(ExtractError):
+    """One layer of a store cannot be read as asked (a pool that does not fit it, a damaged object,
+    a size that differs between two stores): the commands skip it with a note and go on."""
+
+    def __init__(self, store: object, layer: str, reason: str) -> None:
+        self.store, self.layer, self.reason = store, layer, reason
+        super().__init__(f"layer '{layer}' of {store} cannot be used: {reason}")
+
+    @property
+    def note(self) -> str:
+        return f"skipped layer '{self.layer}' of {self.store}: {self.reason}"
+
+
+def no_layer_left(what: str, skipped: Mapping[str, str]) -> ExtractError:
+    """The error once every layer was skipped: each one's reason, on one line."""
+    reasons = "; ".join(f"{layer}: {reason}" for layer, reason in skipped.items())
+    return ExtractError(f"no layer left to {what} ({reasons})")
+
+
+def read_layer(features: Features, layer: str, rows: np.ndarray, pool: str | None) -> torch.Tensor:
+    """(len(rows), dim) float32 of ``layer`` at store rows ``rows``, pooled and flattened."""
+    try:
+        return features.load(layer, rows, pool=pool, as_torch=True).flatten(1)
+    except ExtractError as e:
+        raise UnusableLayerError(features.path, layer, str(e)) from None
+
+
+def spread(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per feature, the smallest and largest value over the rows of ``values``."""
+    return values.amin(0), values.amax(0)
+
+
+def is_constant(low: torch.Tensor, high: torch.Tensor) -> bool:
+    """Whether features ranging from ``low`` to ``high`` are one vector up to float rounding."""
+    scale = float(torch.maximum(low.abs(), high.abs()).max()) if low.numel() else 0.0
+    return low.numel() == 0 or float((high - low).max()) <= CONSTANT_TOLERANCE * scale
 
 
 def select_layers(stored: Sequence[str], patterns: Sequence[str] | None, *, store: object = "the store") -> list[str]:
@@ -70,8 +112,20 @@ class Samples:
 
     def read(self, rows: np.ndarray) -> torch.Tensor:
         """(len(rows), dim) float32 for store rows ``rows``."""
-        values = self.features.load(self.layer, rows, pool=self.pool, as_torch=True)
-        return values.flatten(1)
+        return read_layer(self.features, self.layer, rows, self.pool)
+
+    @cached_property
+    def constant(self) -> bool:
+        """Whether every row holds the same vector (a layer that does not depend on the input, such as
+        a ViT's first class token): nothing can be learnt from it. Usually decided by the first block."""
+        low = high = None
+        for _, values, _ in self.blocks():
+            block_low, block_high = spread(values)
+            low = block_low if low is None else torch.minimum(low, block_low)
+            high = block_high if high is None else torch.maximum(high, block_high)
+            if not is_constant(low, high):
+                return False
+        return low is not None
 
     def block_rows(self, block_bytes: int = BLOCK_BYTES, max_rows: int | None = None) -> int:
         """Rows per block: whole chunks (at least one), about ``block_bytes`` of float32 vectors and

@@ -44,11 +44,15 @@ class LayerSetup:
 
     def stored_layouts(self) -> dict[str, str | None]:
         """The layout of each stored array (plain strings, as the store's attributes keep them): the
-        captured one when kept whole, none once pooled."""
-        return {
-            name: None if self.pools[name] != "none" or self.layouts[name] is None else str(self.layouts[name])
-            for name in self.shapes
-        }
+        captured one when kept whole, NCHW after ``avg:K`` (it pools a channels-last map as NCHW too),
+        none for the vectors the other pools leave."""
+        return {name: _stored_layout(self.pools[name], self.layouts[name]) for name in self.shapes}
+
+
+def _stored_layout(pool: str, captured: Layout | None) -> str | None:
+    if pool == "none":
+        return None if captured is None else str(captured)
+    return "NCHW" if pool.startswith("avg:") else None
 
 
 def output_shapes(

@@ -1,6 +1,6 @@
 """``python -m extract.compare``: linear CKA between the layers of one store or two (``extract.analysis.cka``).
 
-python -m extract.compare A.zarr[:LAYERS] [B.zarr[:LAYERS]] [--heatmap cka.png] [--json cka.json]
+python -m extract.compare A.zarr[:LAYERS] [B.zarr[:LAYERS]] [--match keys|rows] [--heatmap cka.png] [--json cka.json]
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from ..analysis.cka import compare, format_matrix
+import numpy as np
+
+from ..analysis.cka import MATCHES, compare, format_matrix
 from ..analysis.figures import cka_heatmap, require_matplotlib, save
 from ..analysis.probe import resolve_device
 from ..errors import ExtractError
@@ -26,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a second store: compare A's layers with B's over shared keys",
     )
     p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
+    p.add_argument(
+        "--match",
+        choices=MATCHES,
+        default="keys",
+        help="pair two stores' samples by key (default), or by row: the same images from different sources",
+    )
     p.add_argument("--batch-size", type=int, default=1024, help="samples per CKA minibatch (default 1024)")
     p.add_argument(
         "--window", type=int, help="chunks read together and mixed into minibatches (default: as many as 512 MiB hold)"
@@ -46,15 +54,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.heatmap:
         require_matplotlib()
     cka = compare(
-        args.first, args.second, pool=args.pool, batch_size=args.batch_size, window=args.window,
+        args.first, args.second, pool=args.pool, match=args.match, batch_size=args.batch_size, window=args.window,
         max_samples=args.max_samples, seed=args.seed, device=resolve_device(args.device),
     )  # fmt: skip
+    for note in cka.notes:
+        print(note)
     print(f"linear CKA (minibatch, unbiased; {cka.num_samples} samples, {cka.matched})")
+    if args.second is not None:
+        print(f"rows: layers of {cka.row_store}; columns: layers of {cka.col_store}")
     print(format_matrix(cka))
     if args.heatmap:
         save(cka_heatmap(cka), args.heatmap)
     if args.json:
-        record = {"rows": cka.rows, "cols": cka.cols, "cka": cka.matrix.tolist(), "num_samples": cka.num_samples,
-                  "matched": cka.matched}  # fmt: skip
+        matrix = [[None if np.isnan(v) else float(v) for v in row] for row in cka.matrix]  # JSON has no NaN
+        record = {"rows": cka.rows, "cols": cka.cols, "row_store": cka.row_store, "col_store": cka.col_store,
+                  "cka": matrix, "num_samples": cka.num_samples, "matched": cka.matched,
+                  "constant": list(cka.constant), "notes": list(cka.notes)}  # fmt: skip
         write_output("--json", args.json, json.dumps(record, indent=2) + "\n")
     return 0
