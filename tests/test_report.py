@@ -6,11 +6,13 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from extract import ExtractError, open_features
 from extract.analysis import figures
+from extract.analysis.cka import CKA
 from extract.analysis.report import ReportConfig, build_report
 from extract.cli.report import main
 
@@ -68,8 +70,15 @@ def test_report_embeds_every_figure_at_its_size(folder_store, png_tree, tmp_path
         assert image.format == "PNG" and image.size == (width, height) == size, title
         assert len(image.getcolors(2**16) or range(2**16)) > 8, f"{title} is blank"
     # the probe table lists every layer with both methods
-    assert "<th>layer</th><th>k-NN (k 20, T 0.07)</th><th>linear</th>" in html
-    assert html.count("<tr><td>layer") == 3
+    head = "<th>layer</th><th>k-NN (k 20, T 0.07) [95% interval]</th><th>linear [95% interval]</th><th>test samples</th>"
+    assert head in html and html.count("<tr><td>layer") == 3
+    assert re.search(r"<td>layer2</td><td>\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]</td>.*?<td>3</td></tr>", html)
+    assert "probe accuracies are measured on 3 test samples" in html  # 13 samples, 20% held out
+    # figures span the page, and their captions say how to read them rather than repeating the title
+    assert "figure img{width:100%;height:auto}" in html and f"max-width:{figures.PAGE_WIDTH * figures.DPI:.0f}px" in html
+    assert all(width == figures.PAGE_WIDTH * figures.DPI for _, _, width, _ in found)
+    captions = re.findall(r"<figcaption>([^<]*)</figcaption>", html)
+    assert len(captions) == 4 and not any(title in caption for title in titles for caption in captions)
     # thumbnails come from the images on disk, found from the keys
     queries = re.search(r"neighbour queries \(under [^)]*\): ([^<]*)</li>", html).group(1).split(", ")
     assert len(queries) == 3 and all((png_tree[0] / key).is_file() for key in queries)
@@ -121,11 +130,11 @@ def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_st
     assert probe_main([str(folder_store), "--method", "knn", "--json", str(accuracies)]) == 0
     out = tmp_path / "r.html"
     assert main([str(folder_store), "--out", str(out), "--probe-json", str(accuracies)]) == 0
-    assert "<th>layer</th><th>knn</th>" in out.read_text()
+    assert "<th>layer</th><th>knn [95% interval]</th><th>test samples</th>" in out.read_text()
     capsys.readouterr()
     # the library takes the same settings as a typed config
     report = build_report(folder_store, ReportConfig(layers=["layer3", "layer4"], probe_json=[accuracies], queries=2))
-    assert report.table[0] == ["layer", "knn"] and [row[0] for row in report.table[1:]] == ["layer3", "layer4"]
+    assert report.table[0] == ["layer", "knn [95% interval]", "test samples"] and [row[0] for row in report.table[1:]] == ["layer3", "layer4"]
     assert report.figures[2].title == "PCA of layer4 (13 samples)"
     grid = report.figures[3]  # 2 queries, each with the default 6 neighbours
     assert (grid.width, grid.height) == pixels(figures.neighbours_size(2, 7))
@@ -155,3 +164,75 @@ def test_tick_labels_drop_the_prefix_every_layer_shares():
     )
     assert figures.short_names(["layer1.0", "layer1.1", "layer2.0"]) == ("", ["layer1.0", "layer1.1", "layer2.0"])
     assert figures.short_names(["blocks.0", "blocks"]) == ("", ["blocks.0", "blocks"])  # never an empty name
+
+
+def test_file_names_are_shortened_from_the_front():
+    assert figures.short_file_name("cat/001.png") == "cat/001.png"
+    assert figures.short_file_name("imagenet/n01440764/n01440764_10026.JPEG") == "…/n01440764_10026.JPEG"
+    assert figures.short_file_name("x/" + "a" * 40 + ".png") == "…" + ("a" * 40 + ".png")[-23:]
+
+
+def test_the_cka_colour_scale_spans_the_values_and_says_so():
+    agreeing = np.array([[1.0, 0.93], [0.93, 1.0]])
+    assert figures.colour_floor(agreeing) == 0.9  # 0.90-1.00 fills the whole scale
+    assert figures.colour_floor(np.array([[1.0, 0.42], [0.42, np.nan]])) == 0.4
+    assert figures.colour_floor(np.array([[1.0, -0.07]])) == -0.1  # the unbiased estimator dips below 0
+    cka = CKA(["a", "b"], ["a", "b"], agreeing, 50, "")
+    png = figures.cka_heatmap(cka)
+    assert "The colours span 0.90 to 1.00" in png.caption and png.title not in png.caption
+
+
+def test_accuracy_points_carry_wilson_intervals():
+    low, high = figures.wilson_interval(0.8, 50)
+    assert (round(low, 4), round(high, 4)) == (0.6696, 0.8876)  # the Wilson score interval, z = 1.96
+    assert figures.wilson_interval(1.0, 10)[1] == pytest.approx(1.0) and figures.wilson_interval(1.0, 10)[0] < 0.75
+    assert figures.wilson_interval(0.5, 10_000)[1] - 0.5 == pytest.approx(1.96 * 0.005, rel=1e-3)
+
+
+def write_source(kind, root):
+    """Ten images in the given source format; returns the --data spec (absolute paths)."""
+    from data_files import encoded_image, write_shards
+
+    if kind == "wds":
+        write_shards(root / "shards", [6, 4])
+        return f"wds:{root / 'shards'}"
+    images, labels = [encoded_image(i) for i in range(10)], [i % 2 for i in range(10)]
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    data = datasets.Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in images], "label": labels}, features=features
+    )
+    if kind == "parquet":
+        (root / "pq").mkdir()
+        data.to_parquet(str(root / "pq" / "part-0.parquet"))
+        return f"parquet:{root / 'pq' / 'part-0.parquet'}"
+    data.save_to_disk(str(root / "ds"))
+    return f"hf:{root / 'ds'}"
+
+
+@pytest.mark.parametrize("kind", ["wds", "parquet", "hf"])
+def test_thumbnails_are_read_by_key_from_shards_parquet_and_hf(kind, tmp_path, monkeypatch):
+    from extract.cli.extract import main as extract_main
+
+    spec = write_source(kind, tmp_path)
+    store = tmp_path / "s.zarr"
+    assert extract_main(["--model", "resnet18", "--weights", "none", "--image-size", "32", "--layers", "layer4",
+                         "--pool", "avg", "--data", spec, "--chunk-size", "4", "--num-workers", "0",
+                         "--out", str(store)]) == 0  # fmt: skip
+    keys = open_features(store).keys.tolist()
+    drawn = []
+    original = figures.neighbour_grid
+    monkeypatch.setattr(figures, "neighbour_grid", lambda rows, layer: drawn.append(rows) or original(rows, layer))
+    monkeypatch.chdir(tmp_path / "..")  # the report need not run where the extraction did
+    report = build_report(store, ReportConfig(queries=2, neighbours=2))
+    assert not [note for note in report.notes if "thumbnails skipped" in note], report.notes
+    assert any(note.startswith(f"neighbour queries (read from {spec}): ") for note in report.notes)
+    grid = report.figures[-1]
+    assert grid.title == "Nearest neighbours by cosine similarity of layer4"
+    assert (grid.width, grid.height) == pixels(figures.neighbours_size(2, 3))
+    (rows,) = drawn
+    captions = [caption for row in rows for _, caption in row]
+    names = {figures.short_file_name(key) for key in keys}
+    assert len(captions) == 6 and all(caption.split("\n")[1] in names for caption in captions)  # each names its key
+    assert all(len(np.unique(image)) > 8 for row in rows for image, _ in row)  # real images, no blank placeholder

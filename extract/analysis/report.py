@@ -5,11 +5,16 @@
 (``python -m extract.report``, in ``extract.cli.report``, is the command over ``build_report``.)
 
 - probe accuracy per layer in model order (k-NN and linear, on a seeded split of up to
-  ``max_samples`` samples; or read from ``python -m extract.probe --json`` files);
-- the linear CKA heatmap between the layers;
-- a 2-D PCA of one layer (``pca_layer``, default the deepest) coloured by class;
-- for a few query samples whose image files can be found from the store's keys, their nearest
-  neighbours as thumbnails (skipped, with a note, when the store has no keys or the files moved).
+  ``max_samples`` samples; or read from ``python -m extract.probe --json`` files), with the test
+  set's size and a 95% binomial interval on each point;
+- the linear CKA heatmap between the layers, its colour scale fitted to the values (and stated);
+- a 2-D PCA of one layer (``pca_layer``, default the deepest usable one) coloured by class;
+- for a few query samples, their nearest neighbours as thumbnails with their file names: from the
+  image files, or read by key from the shards, Parquet files or data set the store was extracted
+  from (``extract.analysis.images``); skipped, with a note, when the store has no keys or the
+  images cannot be found.
+
+A layer that cannot be used is left out of each figure with a note; a constant one is marked.
 
 Needs matplotlib: ``pip install 'extract[report]'``.
 """
@@ -20,10 +25,9 @@ import base64
 import dataclasses
 import html
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,11 +36,13 @@ from PIL import Image
 from ..errors import ExtractError
 from ..read.features import Features, open_features
 from . import figures
-from .cka import Side, keys_and_classes, minibatch_cka
+from .cka import Side, keys_and_classes, usable_cka
+from .images import SampleImages, sample_images
 from .probe import ProbeOptions, probe_rows, resolve_device, split
-from .samples import Samples, default_pool, labelled_rows, select_layers
+from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, select_layers
 
 THUMBNAIL = 96  # pixels, the longer side
+PAGE_PIXELS = round(figures.PAGE_WIDTH * figures.DPI)  # the page's column, as wide as every figure
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,10 @@ class Report:
             "<!DOCTYPE html>",
             '<html lang="en"><head><meta charset="utf-8">',
             f"<title>{html.escape(self.title)}</title>",
-            "<style>body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}"
+            f"<style>body{{font-family:sans-serif;max-width:{PAGE_PIXELS}px;margin:2em auto;padding:0 1em}}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
-            "figure{margin:2em 0}img{max-width:100%}figcaption{color:#555}</style></head><body>",
+            # a figure is drawn at the page's width: 1:1 there, scaled down (keeping its shape) on a narrower one
+            "figure{margin:2em 0}figure img{width:100%;height:auto}figcaption{color:#555}</style></head><body>",
             f"<h1>{html.escape(self.title)}</h1>",
             f"<table>{rows}</table>",
         ]
@@ -91,7 +98,9 @@ class Report:
             data = base64.b64encode(png.data).decode("ascii")
             parts.append(
                 f'<figure><img src="data:image/png;base64,{data}" width="{png.width}" height="{png.height}" '
-                f'alt="{html.escape(png.title)}"><figcaption>{html.escape(png.title)}</figcaption></figure>'
+                f'alt="{html.escape(png.title)}">'
+                + (f"<figcaption>{html.escape(png.caption)}</figcaption>" if png.caption else "")
+                + "</figure>"
             )
         if self.notes:
             parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in self.notes) + "</ul>")
@@ -99,32 +108,10 @@ class Report:
         return "\n".join(parts) + "\n"
 
 
-def image_root(attrs: Mapping[str, Any]) -> Path | None:
-    """The folder the store's keys are relative to, for data sources whose keys are file paths: as
-    the source said at extraction (``attrs["image_root"]``), or for a store written before it was
-    recorded, as its ``--data`` says."""
-    if "image_root" in attrs:
-        return Path(attrs["image_root"])
-    return legacy_image_root(attrs.get("dataset"))
-
-
-def legacy_image_root(dataset: str | None) -> Path | None:
-    """For stores without ``image_root`` (written before the sources recorded it): the folder of an
-    ``imagefolder:`` or ``filelist:`` spec, relative to the current directory. The one place that
-    reads a ``--data`` string after extraction; newer stores never come here."""
-    kind, _, rest = (dataset or "").partition(":")
-    if kind == "imagefolder":
-        return Path(rest)
-    if kind == "filelist":
-        return Path(rest).parent
-    return None
-
-
-def thumbnail(path: Path) -> np.ndarray:
-    with Image.open(path) as image:
-        image = image.convert("RGB")
-        image.thumbnail((THUMBNAIL, THUMBNAIL))
-        return np.asarray(image)
+def thumbnail(image: Image.Image) -> np.ndarray:
+    image = image.convert("RGB")
+    image.thumbnail((THUMBNAIL, THUMBNAIL))
+    return np.asarray(image)
 
 
 def _class_name(label: int, classes: list[str] | None) -> str:
@@ -133,18 +120,32 @@ def _class_name(label: int, classes: list[str] | None) -> str:
     return classes[label] if classes and label < len(classes) else f"class {label}"
 
 
+def _read_probe_json(paths: Sequence[str | Path]) -> dict[str, dict[str, figures.Score]]:
+    scores: dict[str, dict[str, figures.Score]] = {}
+    for path in paths:
+        try:
+            record = json.loads(Path(path).read_text())
+            scores.setdefault(record["layers"][0]["method"], {}).update(
+                {r["layer"]: figures.Score(r["test_accuracy"], int(r.get("num_test", 0))) for r in record["layers"]}
+            )
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise ExtractError(f"--probe-json {path}: not a file written by extract.probe --json ({e})") from None
+    return scores
+
+
+def _cell(score: figures.Score | None) -> str:
+    if score is None:
+        return ""
+    if score.accuracy is None:
+        return "constant"
+    low, high = figures.wilson_interval(score.accuracy, score.num_test)
+    return f"{score.accuracy:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def _accuracy_figures(
     report: Report, features: Features, layers: list[str], rows: np.ndarray, config: ReportConfig
 ) -> None:
-    accuracies: dict[str, dict[str, float]] = {}
-    for path in config.probe_json:
-        try:
-            record = json.loads(Path(path).read_text())
-            accuracies.setdefault(record["layers"][0]["method"], {}).update(
-                {r["layer"]: r["test_accuracy"] for r in record["layers"]}
-            )
-        except (OSError, ValueError, KeyError, IndexError) as e:
-            raise ExtractError(f"--probe-json {path}: not a file written by extract.probe --json ({e})") from None
+    scores = _read_probe_json(config.probe_json)
     num_classes = int(features.labels.max()) + 1
     if not config.probe_json:
         labelled = np.intersect1d(rows, labelled_rows(features))
@@ -155,16 +156,23 @@ def _accuracy_figures(
         how = f"{len(train)} train / {len(test)} test samples, seed {config.seed}"
         for method in ("knn", "linear"):
             options = ProbeOptions(method=method, seed=config.seed, device=config.device)
-            records = probe_rows(features, train, features, test, layers, options, how=how, log=lambda line: None)
-            accuracies[method if method == "linear" else "k-NN (k 20, T 0.07)"] = {
-                layer: r["test_accuracy"] for layer, r in records.items()
+            lines: list[str] = []
+            records = probe_rows(features, train, features, test, layers, options, how=how, log=lines.append)
+            if method == "knn":  # the same layers are skipped for both methods: say it once
+                report.notes += [f"probe: {line}" for line in lines if line.partition(": ")[0] not in records]
+            scores[method if method == "linear" else "k-NN (k 20, T 0.07)"] = {
+                layer: figures.Score(r["test_accuracy"], r["num_test"]) for layer, r in records.items()
             }
         report.notes.append(f"probes on a seeded split of the store: {how}")
-    report.table = [["layer", *accuracies]] + [
-        [layer, *(f"{values[layer]:.3f}" if layer in values else "" for values in accuracies.values())]
+    sizes = sorted({s.num_test for values in scores.values() for s in values.values()})
+    report.table = [["layer", *(f"{method} [95% interval]" for method in scores), "test samples"]] + [
+        [layer, *(_cell(values.get(layer)) for values in scores.values()),
+         "/".join(str(n) for n in sorted({v[layer].num_test for v in scores.values() if layer in v}))]
         for layer in layers
-    ]
-    report.figures.append(figures.accuracy_curve(accuracies, layers, 1 / max(1, num_classes)))
+    ]  # fmt: skip
+    if len(sizes) == 1:
+        report.notes.append(f"probe accuracies are measured on {sizes[0]} test samples")
+    report.figures.append(figures.accuracy_curve(scores, layers, 1 / max(1, num_classes)))
 
 
 def _cka_figure(report: Report, features: Features, layers: list[str], rows: np.ndarray, config: ReportConfig) -> None:
@@ -172,7 +180,8 @@ def _cka_figure(report: Report, features: Features, layers: list[str], rows: np.
         report.notes.append("CKA heatmap skipped: one layer only")
         return
     pools = {layer: default_pool(features, layer) for layer in layers}
-    cka = minibatch_cka(Side(features, layers, pools, rows), seed=config.seed, device=config.device)
+    cka = usable_cka(Side(features, layers, pools, rows), seed=config.seed, device=config.device)
+    report.notes += [f"CKA: {note}" for note in cka.notes]
     report.figures.append(figures.cka_heatmap(cka, f"Linear CKA between layers ({cka.num_samples} samples)"))
 
 
@@ -188,41 +197,74 @@ def _pca_figure(report: Report, samples: Samples, classes: list[str] | None) -> 
 
 def _neighbour_figure(report: Report, samples: Samples, config: ReportConfig) -> None:
     keys, classes = keys_and_classes(samples.features)
-    root = image_root(samples.features.attrs)
     if keys is None:
         report.notes.append(
             "nearest-neighbour thumbnails skipped: the store has no keys (an older store or synthetic data)"
         )
         return
-    if root is None:
-        report.notes.append(
-            f"nearest-neighbour thumbnails skipped: the keys of '{samples.features.attrs.get('dataset')}' are not file paths"
-        )
+    images = sample_images(samples.features, [str(keys[row]) for row in samples.rows])
+    if isinstance(images, str):
+        report.notes.append(f"nearest-neighbour thumbnails skipped: {images}")
         return
-    files = [root / str(keys[row]) for row in samples.rows]
-    found = np.array([f.is_file() for f in files])
+    grid, queries = _neighbour_rows(samples, images, classes, config)
+    if len(queries) == 0:
+        report.notes.append(f"nearest-neighbour thumbnails skipped: fewer than 2 images could be read ({images.where})")
+        return
+    report.figures.append(figures.neighbour_grid(grid, samples.layer))
+    report.notes.append(f"neighbour queries ({images.where}): {', '.join(images.keys[q] for q in queries)}")
+
+
+def _neighbour_rows(
+    samples: Samples, images: SampleImages, classes: list[str] | None, config: ReportConfig
+) -> tuple[list[list[tuple[np.ndarray, str]]], np.ndarray]:
+    """One row of (thumbnail, caption) per query: the query, then its nearest neighbours among the
+    samples whose image can be read; and the queries' positions in ``samples``."""
+    found = np.array([images.has(i) for i in range(len(images.keys))])
     if found.sum() < 2:
-        report.notes.append(f"nearest-neighbour thumbnails skipped: the image files are not under {root} any more")
-        return
+        return [], np.array([], dtype=int)
     values = torch.nn.functional.normalize(samples.load(), dim=1)
     rng = np.random.default_rng((config.seed, 4))
     queries = rng.choice(np.flatnonzero(found), min(config.queries, int(found.sum())), replace=False)
+
+    def cell(i: int, what: str) -> tuple[np.ndarray, str]:
+        image = images.image(i)
+        pixels = thumbnail(image) if image is not None else np.full((THUMBNAIL, THUMBNAIL, 3), 220, np.uint8)
+        return pixels, f"{what}\n{figures.short_file_name(images.keys[i])}"
+
     grid = []
     for query in queries:
         similarity = values @ values[query]
         similarity[query] = -np.inf
         similarity[torch.from_numpy(~found)] = -np.inf
         order = similarity.argsort(descending=True)[: config.neighbours].tolist()
-        label = int(samples.labels[query])
-        row = [(thumbnail(files[query]), f"query: {_class_name(label, classes)}")]
+        row = [cell(query, f"query: {_class_name(int(samples.labels[query]), classes)}")]
         row += [
-            (thumbnail(files[i]), f"{_class_name(int(samples.labels[i]), classes)} ({float(similarity[i]):.2f})")
+            cell(i, f"{_class_name(int(samples.labels[i]), classes)} ({float(similarity[i]):.2f})")
             for i in order
             if similarity[i] > -np.inf
         ]
         grid.append(row)
-    report.figures.append(figures.neighbour_grid(grid, samples.layer))
-    report.notes.append(f"neighbour queries (under {root}): {', '.join(str(keys[samples.rows[q]]) for q in queries)}")
+    return grid, queries
+
+
+def _pca_samples(
+    report: Report, features: Features, layers: list[str], rows: np.ndarray, config: ReportConfig
+) -> Samples | None:
+    """The samples of the PCA and neighbour figures: ``pca_layer``, or the deepest layer that can be
+    read and is not constant; None (with a note) when there is none."""
+    pca_rows = rows
+    if len(rows) > config.pca_samples:
+        pca_rows = np.sort(np.random.default_rng((config.seed, 6)).choice(rows, config.pca_samples, replace=False))
+    for layer in [config.pca_layer] if config.pca_layer else reversed(layers):
+        samples = Samples(features, layer, default_pool(features, layer), pca_rows)
+        try:
+            if not samples.constant:
+                return samples
+            report.notes.append(f"PCA and neighbours: layer '{layer}' is constant (the same for every sample)")
+        except UnusableLayerError as e:
+            report.notes.append(f"PCA and neighbours: {e.note}")
+    report.notes.append("PCA and nearest-neighbour figures skipped: no layer for them")
+    return None
 
 
 def build_report(store: str | Path, config: ReportConfig | None = None) -> Report:
@@ -232,8 +274,8 @@ def build_report(store: str | Path, config: ReportConfig | None = None) -> Repor
     figures.require_matplotlib()  # a missing matplotlib stops here, before any work
     features = open_features(store)
     layers = select_layers(features.layers, config.layers, store=features.path)
-    pca_layer = config.pca_layer or layers[-1]
-    select_layers(features.layers, [pca_layer], store=features.path)
+    if config.pca_layer:
+        select_layers(features.layers, [config.pca_layer], store=features.path)
     valid = np.flatnonzero(features.valid)
     rows = valid
     if len(valid) > config.max_samples:
@@ -248,10 +290,8 @@ def build_report(store: str | Path, config: ReportConfig | None = None) -> Repor
     _accuracy_figures(report, features, layers, rows, config)
     _cka_figure(report, features, layers, rows, config)
     _, classes = keys_and_classes(features)
-    pca_rows = rows
-    if len(rows) > config.pca_samples:
-        pca_rows = np.sort(np.random.default_rng((config.seed, 6)).choice(rows, config.pca_samples, replace=False))
-    pca_samples = Samples(features, pca_layer, default_pool(features, pca_layer), pca_rows)
-    _pca_figure(report, pca_samples, classes)
-    _neighbour_figure(report, pca_samples, config)
+    pca_samples = _pca_samples(report, features, layers, rows, config)
+    if pca_samples is not None:
+        _pca_figure(report, pca_samples, classes)
+        _neighbour_figure(report, pca_samples, config)
     return report
