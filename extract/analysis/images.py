@@ -18,6 +18,7 @@ from PIL import Image
 
 from ..errors import ExtractError
 from ..read.features import Features
+from ..store.store import saved_index
 
 # Data sources whose keys name a sample inside shards or files (not an image file of its own).
 SOURCE_KINDS = ("wds", "parquet", "hf")
@@ -93,13 +94,14 @@ def _open_file(path: Path) -> Image.Image | None:
 def _from_source(features: Features, dataset: str, keys: Sequence[str]) -> SampleImages:
     """The source reopened with the options it was extracted with (and the shard index kept in the
     store, so shards are not rescanned); each image is read by the source itself."""
-    from ..data import kept_index
+    from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, reuses_index
     from ..data.registry import open_source
     from ..data.source import DataOptions, DataRequest
 
     job = features.attrs.get("job") or {}
     options = DataOptions(job.get("image_key"), job.get("label_key"))
-    saved = kept_index(features.path, features.attrs.get("identity"), dataset, options)
+    same = reuses_index(features.attrs.get("identity"), dataset, options)
+    saved = saved_index(features.path, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if same else None
     source = open_source(DataRequest(dataset, int(job.get("image_size") or 224), options, None, saved))
     position = {key: i for i, key in enumerate(source.keys())}
     if sum(key in position for key in keys) < 2:
