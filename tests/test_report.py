@@ -236,3 +236,26 @@ def test_thumbnails_are_read_by_key_from_shards_parquet_and_hf(kind, tmp_path, m
     names = {figures.short_file_name(key) for key in keys}
     assert len(captions) == 6 and all(caption.split("\n")[1] in names for caption in captions)  # each names its key
     assert all(len(np.unique(image)) > 8 for row in rows for image, _ in row)  # real images, no blank placeholder
+
+
+def test_report_leaves_out_an_unusable_layer_and_marks_a_constant_one(tmp_path):
+    from stores import array_store
+
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, 60)
+    x = (rng.normal(size=(60, 8)) + labels[:, None]).astype(np.float32)
+    layers = {"a": x, "b": x[:, :4] * 2, "cls0": np.tile(np.float32([1, 2, 3]), (60, 1)), "broken": x}
+    store = array_store(tmp_path / "s.zarr", layers, labels, chunk_size=16)
+    (store / "features" / "broken" / "c" / "1" / "0").unlink()  # a lost object: that layer cannot be read
+    report = build_report(store, ReportConfig(max_samples=60))
+    notes = " | ".join(report.notes)
+    assert "probe: broken: skipped (" in notes and "is missing" in notes
+    assert f"CKA: skipped layer 'broken' of {store}: " in notes
+    assert "CKA: layer 'cls0' is constant" in notes
+    assert "PCA and neighbours: layer 'cls0' is constant" in notes
+    assert [row[0] for row in report.table[1:]] == ["a", "b", "cls0", "broken"]
+    assert report.table[3][1:3] == ["constant", "constant"] and report.table[4][1:3] == ["", ""]
+    titles = [png.title for png in report.figures]
+    assert titles[0] == "Probe accuracy per layer" and titles[2] == "PCA of b (60 samples)"
+    assert "'constant': a layer whose features are the same" in report.figures[0].caption
+    assert "grey 'const.' cells: a constant layer (cls0)" in report.figures[1].caption
