@@ -32,7 +32,7 @@ from ..models import LoadedModel, build_model, library_versions
 from ..store.store import FeatureStore, codecs
 from ..store.writer import ChunkWriter
 from .dist import process_state
-from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
+from .interrupt import Interrupted, LoaderWorkerSignals, PeerStopped, StopRequests, watch_parent
 from .lifecycle import StoreLife
 from .memory import keep_freed_memory
 from .plan import ChunkBatchSampler, Plan, assign, default_chunk_size
@@ -238,18 +238,20 @@ def _loop(
     after writing the chunks already complete.
     """
     spec, device = job.spec, job.state.device
+    workers = LoaderWorkerSignals()
     loader = DataLoader(
         job.dataset,
         batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
         num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
         pin_memory=device.type == "cuda",
         collate_fn=collate_encoded if job.gpu_decoder is not None else None,
-        worker_init_fn=ignore_stop_signals,
+        worker_init_fn=workers,
     )
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
     bad_image = None
+    batches = None
     stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
     try:
         with (
@@ -283,6 +285,9 @@ def _loop(
     except BaseException:
         writer.abort()
         raise
+    finally:  # on every way out: the workers go now, not at exit, where multiprocessing joins them
+        workers.release()
+        del batches  # the last reference: torch's iterator shuts its workers down as it is freed
     for layer, count in writer.overflow.items():
         if count:
             tqdm.write(
