@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import ROOT
@@ -68,3 +69,35 @@ def test_full_disk_with_loader_workers_exits_instead_of_hanging(tmp_path, worker
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and "No space left on device" in lines[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def _has_loaded(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return library in maps.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="watches /proc/PID/maps for the imports")
+@pytest.mark.parametrize("library", ["_multiarray_umath", "libtorch_cpu"])
+def test_ctrl_c_during_the_imports_is_one_line_and_130(library):
+    """SIGINT while numpy's or torch's extension is being loaded, before any handler of the job's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "extract", "--model", "resnet18", "--weights", "none", "--list-layers"],
+        cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        while job.poll() is None and not _has_loaded(job.pid, library):
+            time.sleep(0.002)
+        job.send_signal(signal.SIGINT)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "extract: interrupted; rerun the same command to resume"
+    ], err
