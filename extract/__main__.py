@@ -1,5 +1,5 @@
 import sys
 
-from .cli.extract import main
+from .cli.startup import main
 
 sys.exit(main())

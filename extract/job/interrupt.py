@@ -2,13 +2,16 @@
 
 Handlers are installed before the slow start-up (model, data, store): a signal then stops the job at
 once. Inside the loop a signal only asks it to stop after the current batch, so that what is computed
-is written. DataLoader workers ignore both signals (they share the rank's process group, which
-launchers and SLURM signal as a whole): their parent stops them, instead of their deaths tripping
-torch's SIGCHLD handler into a traceback inside the forward.
+is written. DataLoader workers ignore both signals while the loop runs (they share the rank's process
+group, which launchers and SLURM signal as a whole): their parent stops them, instead of their deaths
+tripping torch's SIGCHLD handler into a traceback inside the forward. After the loop, their parent's
+SIGTERM ends them, so that a worker that does not exit when asked cannot hang the rank's exit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import os
 import signal
 import threading
@@ -99,10 +102,29 @@ class StopRequests:
             signal.signal(sig, signal.SIG_IGN if stopping else handler)  # type: ignore[arg-type]
 
 
-def ignore_stop_signals(_worker_id: int = 0) -> None:
-    """A DataLoader ``worker_init_fn``: the worker leaves SIGTERM/SIGINT to its parent."""
-    for sig in HANDLED:
-        signal.signal(sig, signal.SIG_IGN)
+class LoaderWorkerSignals:
+    """A DataLoader ``worker_init_fn`` and the switch that lets its workers go.
+
+    While the rank's loop runs, its workers ignore SIGTERM/SIGINT and leave them to their parent. Once
+    the loop is over (``release()``, on every way out of it), a SIGTERM ends a worker at once, with exit
+    status 0 so that torch's SIGCHLD check sees no failure: torch's shutdown and ``multiprocessing``'s
+    exit both stop a worker that does not answer with ``terminate()``, and one that ignored it would be
+    joined forever. The flag is shared memory that the handler reads without taking a lock."""
+
+    def __init__(self) -> None:
+        self._released = multiprocessing.RawValue(ctypes.c_bool, False)
+
+    def __call__(self, _worker_id: int = 0) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._released.value:
+            os._exit(0)
+
+    def release(self) -> None:
+        """The loop is over: from now on a SIGTERM ends the workers."""
+        self._released.value = True
 
 
 def watch_parent() -> None:

@@ -35,7 +35,7 @@ from ..store.schema import JobParts, codecs
 from ..store.store import FeatureStore, saved_index
 from ..store.writer import ChunkWriter
 from .dist import process_state
-from .interrupt import Interrupted, PeerStopped, StopRequests, ignore_stop_signals, watch_parent
+from .interrupt import Interrupted, LoaderWorkerSignals, PeerStopped, StopRequests, watch_parent
 from .lifecycle import StoreLife
 from .memory import keep_freed_memory
 from .plan import ChunkBatchSampler, assign, default_chunk_size
@@ -243,7 +243,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan) -> JobParts:
     )  # fmt: skip
 
 
-def _loader(job: _Job, chunks: list[int]) -> DataLoader:
+def _loader(job: _Job, chunks: list[int], workers: LoaderWorkerSignals) -> DataLoader:
     spec, device = job.spec, job.state.device
     return DataLoader(
         job.data.dataset,
@@ -251,7 +251,7 @@ def _loader(job: _Job, chunks: list[int]) -> DataLoader:
         num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
         pin_memory=device.type == "cuda",
         collate_fn=collate_encoded if job.data.gpu_decoder is not None else None,
-        worker_init_fn=ignore_stop_signals,
+        worker_init_fn=workers,
     )
 
 
@@ -270,7 +270,8 @@ def _loop(
     after writing the chunks already complete.
     """
     spec, device = job.spec, job.state.device
-    loader = _loader(job, chunks)
+    workers = LoaderWorkerSignals()
+    loader = _loader(job, chunks, workers)
     staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
@@ -289,6 +290,8 @@ def _loop(
     except BaseException:
         writer.abort()
         raise
+    finally:  # on every way out: the workers go now, not at exit, where multiprocessing joins them
+        workers.release()
     _warn_overflow(writer.overflow)
     if stop.signum is not None:
         raise Interrupted(stop.signum, writer.chunks_written)
@@ -312,26 +315,29 @@ def _forward(
     first undecodable image stops it (returned) unless ``--skip-bad-images``."""
     device, model, decoder = job.state.device, job.model, job.data.gpu_decoder
     batches = iter(loader)
-    while stop.signum is None:
-        try:
-            images, labels, indices, errors = next(batches)
-        except StopIteration:
-            break
-        except Exception:
-            if stop.signum is not None:  # DataLoader workers died of the same signal
+    try:
+        while stop.signum is None:
+            try:
+                images, labels, indices, errors = next(batches)
+            except StopIteration:
                 break
-            raise
-        if decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
-            images, errors = decoder(images, indices, errors)
-        valid = np.array([not error for error in errors])
-        if not (valid.all() or job.spec.skip_bad_images):
-            return next(error for error in errors if error)
-        slot = staging.acquire(writer.check)
-        model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
-        staging.seal(slot)
-        writer.submit(slot, indices, labels, valid)
-        forwarded(len(indices))
-    return None
+            except Exception:
+                if stop.signum is not None:  # DataLoader workers died of the same signal
+                    break
+                raise
+            if decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
+                images, errors = decoder(images, indices, errors)
+            valid = np.array([not error for error in errors])
+            if not (valid.all() or job.spec.skip_bad_images):
+                return next(error for error in errors if error)
+            slot = staging.acquire(writer.check)
+            model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
+            staging.seal(slot)
+            writer.submit(slot, indices, labels, valid)
+            forwarded(len(indices))
+        return None
+    finally:  # the last reference, also from a traceback's frame: torch's iterator stops its workers as it is freed
+        del batches
 
 
 def _warn_overflow(overflow: Mapping[str, int]) -> None:

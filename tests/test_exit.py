@@ -1,0 +1,103 @@
+"""How a run ends when something goes wrong: one line, the right exit status, no hang, no traceback."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT
+
+SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
+         "--dtype", "float32"]  # fmt: skip
+
+# The disk fills at chunk 2; and each DataLoader worker holds a thread that never ends, as a decoding
+# library's thread, or a lock inherited locked across fork, can: the worker then does not exit when
+# torch asks it to, and only its parent's SIGTERM can end it.
+FULL_DISK_WITH_STUCK_WORKERS = """
+import sys, threading, time
+from extract.data.synthetic import SyntheticSource
+from extract.store.store import FeatureStore
+
+real_write, real_load, stuck = FeatureStore.write_chunk, SyntheticSource.load, []
+
+def write_chunk(self, chunk, *rest):
+    if chunk >= 2:
+        raise OSError(28, "No space left on device")
+    return real_write(self, chunk, *rest)
+
+def load(self, index):
+    if not stuck:
+        stuck.append(threading.Thread(target=time.sleep, args=(3600,)))
+        stuck[0].start()
+    return real_load(self, index)
+
+FeatureStore.write_chunk, SyntheticSource.load = write_chunk, load
+from extract.cli.extract import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def run_python(code: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` in its own session; on a timeout, its whole group is killed (workers too)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, err = job.communicate()
+        pytest.fail(f"still running after {timeout} s (hung at exit?); stderr:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.replace("\r", "\n").splitlines() if line.startswith("extract: error")]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_full_disk_with_loader_workers_exits_instead_of_hanging(tmp_path, workers):
+    result = run_python(
+        FULL_DISK_WITH_STUCK_WORKERS, *SMALL, "--num-workers", workers, "--data", "synthetic:400",
+        "--chunk-size", "3", "--batch-size", "2", "--out", tmp_path / "full.zarr", timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "No space left on device" in lines[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def _has_loaded(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return library in maps.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="watches /proc/PID/maps for the imports")
+@pytest.mark.parametrize("library", ["_multiarray_umath", "libtorch_cpu"])
+def test_ctrl_c_during_the_imports_is_one_line_and_130(library):
+    """SIGINT while numpy's or torch's extension is being loaded, before any handler of the job's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "extract", "--model", "resnet18", "--weights", "none", "--list-layers"],
+        cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        while job.poll() is None and not _has_loaded(job.pid, library):
+            time.sleep(0.002)
+        job.send_signal(signal.SIGINT)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "Error" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "extract: interrupted; rerun the same command to resume"
+    ], err
