@@ -101,3 +101,24 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(library):
     assert [line for line in err.splitlines() if line.strip()] == [
         "extract: interrupted; rerun the same command to resume"
     ], err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--timeout", "nan"], "--timeout must be"),
+        (["--timeout", "inf"], "--timeout must be"),
+        (["--timeout", "1e300"], "--timeout must be"),
+        (["--seed", str(2**70)], "--seed must be"),
+        (["--out", ""], "--out is empty"),
+        (["--out", "."], "is the current directory"),
+        (["--data", "synthetic:99999999999999"], "memory"),
+    ],
+    ids=["timeout-nan", "timeout-inf", "timeout-1e300", "seed-2**70", "out-empty", "out-dot", "synthetic-huge"],
+)
+def test_inputs_that_cannot_work_are_one_line_and_2(cli, tmp_path, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(*SMALL, "--num-workers", "0", "--data", "synthetic:8", "--out", tmp_path / "s.zarr", *flags)
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "s.zarr").exists() and os.listdir(tmp_path) == []

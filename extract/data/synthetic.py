@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from PIL import Image
@@ -58,10 +59,30 @@ class SyntheticSource(Source):
         return "SYNTHETIC images, not a real dataset"
 
 
+# What a job holds in memory per sample before its loop, whatever the layers: the key as a Python
+# string in the listing and again in the store's keys array, the label and the valid flag. An
+# estimate from below: a synthetic N is a number typed, not files listed, and one beyond the machine
+# would be found by the OOM killer instead of by a message.
+BYTES_PER_SAMPLE = 200
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not POSIX: no check
+        return None
+
+
 def open_synthetic(count: str, request: DataRequest) -> SyntheticSource:
     if not count.isdigit():
         raise ExtractError(f"--data {request.spec}: write synthetic:N with N a whole number, e.g. {SOURCE.example}")
-    return SyntheticSource(int(count), request.image_size)
+    size, memory = int(count), _memory_bytes()
+    if memory is not None and size * BYTES_PER_SAMPLE > memory:
+        raise ExtractError(
+            f"--data {request.spec}: {size} samples need about {size * BYTES_PER_SAMPLE / 2**30:.0f} GiB of memory "
+            f"for their keys and labels alone, more than this machine's {memory / 2**30:.0f} GiB; use fewer"
+        )
+    return SyntheticSource(size, request.image_size)
 
 
 SOURCE = DataSource("synthetic", location="N", example="synthetic:512", open=open_synthetic)

@@ -3,9 +3,11 @@ store's schema: ``extract.store.schema``)."""
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from ..data.decode import DECODES
@@ -13,6 +15,8 @@ from ..errors import ExtractError
 
 DTYPES = ("float16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
+MAX_TIMEOUT = 7 * 24 * 3600  # a barrier waited on for longer than a week is a hang, not a slow peer
+SEEDS = range(-(2**63), 2**64)  # what torch.manual_seed takes
 
 
 @dataclass
@@ -54,8 +58,13 @@ class JobSpec:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-        if self.timeout <= 0:
-            raise ExtractError(f"--timeout must be positive seconds, got {self.timeout}")
+        if not (math.isfinite(self.timeout) and 0 < self.timeout <= MAX_TIMEOUT):
+            raise ExtractError(
+                f"--timeout must be positive seconds, at most {MAX_TIMEOUT} (a week), got {self.timeout}"
+            )
+        if self.seed not in SEEDS:
+            raise ExtractError(f"--seed must be between -2**63 and 2**64 - 1 (torch's range), got {self.seed}")
+        _check_out(self.out)
         if self.num_workers is not None and self.num_workers < 0:
             raise ExtractError(f"--num-workers must be 0 or more, got {self.num_workers}")
         if self.dtype not in DTYPES:
@@ -71,6 +80,17 @@ class JobSpec:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _check_out(out: str) -> None:
+    """``--out`` names a store of its own: the current directory, or one above it, would be taken over
+    (and ``--overwrite`` would delete it)."""
+    if not out.strip():
+        raise ExtractError("--out is empty; name the store to write, e.g. features.zarr")
+    here, path = Path.cwd().resolve(), Path(out).resolve()
+    if path == here or path in here.parents:
+        where = "the current directory" if path == here else f"a directory above the current one ({here})"
+        raise ExtractError(f"--out {out} is {where}; name a store inside it, e.g. --out features.zarr")
 
 
 def _fits(value: Any, expected: Any) -> bool:
