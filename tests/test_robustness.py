@@ -7,14 +7,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import zarr
-from conftest import ROOT, TINY, make_png_tree, run_cli
-from forked import fork_run
+from conftest import ROOT, TINY, make_png_tree
+from forked import fork_run, fork_start, fork_wait
 from reference import load_images, reference, resnet18
 
 from extract.store.lock import lock_path
@@ -202,16 +201,39 @@ def test_write_error_stops_the_run_and_a_rerun_completes(cli, tmp_path):
     )
 
 
-LONG_N = 800
-LONG = [*SMALL, "--image-size", "64", "--data", f"synthetic:{LONG_N}", "--chunk-size", "8", "--batch-size", "8"]
+LONG_N = 320
+# 40 batches of a model paced at TINY_PACE seconds a batch (set for the runs that are signalled only):
+# the job lasts while the test signals it, and the reruns that complete it cost little.
+LONG = ["--model", f"{TINY}:paced_net", "--layers", "conv", "--pool", "avg", "--image-size", "32",
+        "--num-workers", "0", "--dtype", "float32", "--data", f"synthetic:{LONG_N}", "--chunk-size", "8",
+        "--batch-size", "8"]  # fmt: skip
+PACE = "0.2"
 
 
-def _start(out, launcher=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [*(launcher or [sys.executable, "-m"]), "extract", *LONG, "--out", str(out)]
+def _paced():
+    os.environ["TINY_PACE"] = PACE
+
+
+def _fork(out, err):
+    """The paced job in a forked child leading its own process group; its stderr goes to ``err``."""
+    return fork_start([*LONG, "--out", out], before=_paced, stderr=err, own_group=True)
+
+
+def _launch(out):
+    """The paced job under ``accelerate launch`` with 2 ranks, in a session of its own."""
+    from test_distributed import launcher
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINY_PACE": PACE}
     return subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+        [*launcher(2), "extract", *LONG, "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def _running(job) -> bool:
+    if isinstance(job, subprocess.Popen):
+        return job.poll() is None
+    return os.waitpid(job, os.WNOHANG) == (0, 0)
 
 
 def _wait_for_chunks(job, out, count=3, timeout=120):
@@ -220,8 +242,8 @@ def _wait_for_chunks(job, out, count=3, timeout=120):
         done = out / "done" / "c"
         if done.is_dir() and len(os.listdir(done)) >= count:
             return
-        assert job.poll() is None, job.stderr.read()
-        time.sleep(0.05)
+        assert _running(job), "the job ended before it could be signalled"
+        time.sleep(0.02)
     raise AssertionError("the job did not get going")
 
 
@@ -229,7 +251,7 @@ def _assert_consistent(out):
     """Every chunk marked done holds real features; nothing else is marked."""
     group = zarr.open_group(out, mode="r")
     done = group["done"][:]
-    features = group["features/layer3"][:]
+    features = group["features/conv"][:]
     for chunk in np.flatnonzero(done):
         assert not np.isnan(features[chunk * 8 : chunk * 8 + 8]).any()
     return int(done.sum())
@@ -237,70 +259,71 @@ def _assert_consistent(out):
 
 @pytest.fixture(scope="module")
 def clean_long_store(tmp_path_factory):
+    from extract.cli.extract import main
+
     out = tmp_path_factory.mktemp("clean") / "clean.zarr"
-    assert run_cli(*LONG, "--out", out).returncode == 0
+    assert main([*LONG, "--out", str(out)]) == 0
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM-process", "SIGINT-launcher-2-ranks", "SIGTERM-one-of-2-ranks"])
-def test_preemption_writes_what_is_done_and_a_rerun_completes(tmp_path, how, clean_long_store):
-    from test_distributed import launcher as accelerate_launcher
-
+def test_preemption_writes_what_is_done_and_a_rerun_completes(cli, tmp_path, how, clean_long_store):
     out = tmp_path / "pre.zarr"
-    launcher = accelerate_launcher(2) if "ranks" in how else None
-    job = _start(out, launcher)
+    job = _launch(out) if "ranks" in how else _fork(out, tmp_path / "err")
     _wait_for_chunks(job, out)
-    sent = time.time()
     if how == "SIGTERM-process":
-        job.send_signal(signal.SIGTERM)
+        os.kill(job, signal.SIGTERM)
     elif how == "SIGTERM-one-of-2-ranks":
         from test_distributed import _rank_pids
 
         os.kill(_rank_pids(job.pid)[-1], signal.SIGTERM)  # the launcher then stops the other rank
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
-    _, err = job.communicate(timeout=60)
-    assert time.time() - sent < 30
-    assert job.returncode != 0
-    assert "rerun the same command to resume" in err, err[-2000:]
+    # the job stops by itself (the waits' timeouts fail the test otherwise), long before its batches are over
     if how == "SIGTERM-process":
-        assert job.returncode == 128 + signal.SIGTERM
+        returncode, err = fork_wait(job), (tmp_path / "err").read_text()
+        assert returncode == 128 + signal.SIGTERM, err[-2000:]
+    else:
+        _, err = job.communicate(timeout=60)
+        returncode = job.returncode
+    assert returncode != 0
+    assert "rerun the same command to resume" in err, err[-2000:]
     finished = _assert_consistent(out)
-    assert finished >= 3
+    assert 3 <= finished < LONG_N // 8
     assert not lock_path(out).exists()
 
-    result = run_cli(*LONG, "--out", out)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert f"{finished} of {LONG_N // 8} chunks already done" in result.stderr
+    code, _, err = cli(*LONG, "--out", out)
+    assert code == 0, err[-2000:]
+    assert f"{finished} of {LONG_N // 8} chunks already done" in err
     np.testing.assert_array_equal(
-        zarr.open_group(out, mode="r")["features/layer3"][:],
-        zarr.open_group(clean_long_store, mode="r")["features/layer3"][:],
+        zarr.open_group(out, mode="r")["features/conv"][:],
+        zarr.open_group(clean_long_store, mode="r")["features/conv"][:],
     )
 
 
 @pytest.mark.slow
-def test_live_job_holds_the_store(tmp_path):
+def test_live_job_holds_the_store(cli, tmp_path):
     out = tmp_path / "busy.zarr"
-    job = _start(out)
+    job = _fork(out, tmp_path / "err")
     try:
         _wait_for_chunks(job, out, count=1)
-        os.killpg(job.pid, signal.SIGSTOP)  # alive and holding the store, but not finishing under our feet
-        second = run_cli(*LONG, "--out", out)
-        line = one_line_error(second.stderr)
-        assert second.returncode == 2 and "being written by another job" in line
-        assert f"pid {job.pid}" in line and socket.gethostname() in line
-        second = run_cli(*LONG, "--out", out, "--overwrite")
-        assert second.returncode == 2 and "being written by another job" in second.stderr
+        os.killpg(job, signal.SIGSTOP)  # alive and holding the store, but not finishing under our feet
+        code, _, err = cli(*LONG, "--out", out)
+        line = one_line_error(err)
+        assert code == 2 and "being written by another job" in line
+        assert f"pid {job}" in line and socket.gethostname() in line
+        code, _, err = cli(*LONG, "--out", out, "--overwrite")
+        assert code == 2 and "being written by another job" in err
     finally:
-        job.kill()
-        job.communicate()
+        os.killpg(job, signal.SIGKILL)
+        assert fork_wait(job) == -signal.SIGKILL
     # SIGKILL leaves the lock behind, but its holder is dead: the next run takes it over
     assert lock_path(out).exists()
     holder = json.loads(lock_path(out).read_text())
-    assert holder["pid"] == job.pid
-    result = run_cli(*LONG, "--out", out)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert holder["pid"] == job
+    code, _, err = cli(*LONG, "--out", out)
+    assert code == 0, err[-2000:]
 
 
 def test_lock_of_another_host(cli, tmp_path):

@@ -1,5 +1,8 @@
 """Small models for tests, loaded through ``--model tests/tiny_models.py:NAME``."""
 
+import os
+import time
+
 import torch
 import torchvision
 from torch import nn
@@ -118,3 +121,22 @@ def needs_arguments(width: int) -> nn.Module:
 
 def raises() -> nn.Module:
     raise RuntimeError("boom")
+
+
+class Paced(nn.Module):
+    """A small conv net whose every forward first sleeps ``TINY_PACE`` seconds (an environment variable,
+    0 without it): a run lasts while a test signals it, at no CPU cost, and a rerun without the variable
+    is quick. The variable is no part of the job, so both are the same job and the rerun resumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(float(os.environ.get("TINY_PACE", "0")))
+        return self.conv(x)
+
+
+def paced_net() -> nn.Module:
+    torch.manual_seed(0)
+    return Paced()
