@@ -11,7 +11,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 TINY = Path(__file__).resolve().parent / "tiny_models.py"
 
-torch.set_num_threads(2)
+# One intra-op thread: the suite's processes share 2 cores, and OpenMP threads spin while a sibling
+# waits to be scheduled: a resnet18 run of 160 images took 15-45 s with 2 threads on a busy machine, 2.5 s with 1.
+torch.set_num_threads(1)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, launcher: list[str] | None = None):

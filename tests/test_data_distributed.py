@@ -11,7 +11,7 @@ import pytest
 import zarr
 from conftest import ROOT, run_cli
 from data_files import write_shards
-from test_distributed import _rank_pids, launcher
+from launches import launcher, rank_pids
 
 from extract import open_features
 
@@ -65,7 +65,7 @@ def test_sigkill_then_resume_with_another_number_of_ranks(cli, tmp_path, many_sh
             break
         assert job.poll() is None, "finished before it could be killed; make the job longer"
         time.sleep(0.05)
-    ranks = [pid for pid in _rank_pids(job.pid) if pid != job.pid]
+    ranks = [pid for pid in rank_pids(job.pid) if pid != job.pid]
     os.kill(ranks[-1], signal.SIGKILL)
     job.communicate(timeout=120)
     assert job.returncode != 0

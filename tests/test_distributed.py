@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,26 +10,12 @@ import numpy as np
 import pytest
 import zarr
 from conftest import ROOT, run_cli
+from launches import Sequence, free_port, launcher, rank_pids
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["--model", "resnet18", "--weights", "none", "--layers", "layer2", "layer4", "--pool", "avg",
           "--image-size", "32", "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher(processes: int, *extra: str) -> list[str]:
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu" if processes > 1 else "--cpu",
-        "--num_processes", str(processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()), *extra, "-m",
-    ]  # fmt: skip
 
 
 def single_process_store(cli, tmp_path, n, chunk, batch):
@@ -52,32 +37,84 @@ def assert_same_store(got, expected):
     assert a["done"][:].all()
 
 
-@pytest.mark.parametrize(
-    "processes, n, chunk, batch",
-    [
-        (1, 1, 4, 3),  # N = 1
-        (2, 13, 4, 3),  # N not divisible by C, batches straddle chunks
-        (3, 5, 4, 2),  # K = 2 < P = 3: one rank idle
-        (3, 17, 4, 4),  # N = K*C + 1
-        (2, 3, 8, 2),  # N < C
-    ],
-)
-def test_ranks_share_the_work_exactly_once(cli, tmp_path, processes, n, chunk, batch):
+CASES = [
+    (1, 1, 4, 3),  # N = 1
+    (2, 13, 4, 3),  # N not divisible by C, batches straddle chunks
+    (3, 5, 4, 2),  # K = 2 < P = 3: one rank idle
+    (3, 17, 4, 4),  # N = K*C + 1
+    (2, 3, 8, 2),  # N < C
+]
+KILLED_N, KILLED_CHUNK = 160, 4
+KILLED = [*COMMON, "--data", f"synthetic:{KILLED_N}", "--chunk-size", "4", "--batch-size", "4"]
+
+
+def case_args(n, chunk, batch):
+    return [*COMMON, "--data", f"synthetic:{n}", "--chunk-size", chunk, "--batch-size", batch]
+
+
+def case_name(processes, n, chunk, batch):
+    return f"{processes}-{n}-{chunk}-{batch}"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks for the module: the 2-rank cases, then a longer job of which a rank is
+    SIGKILLed once 6 chunks are done (resumed by ``three_ranks``). Returns the sequence and what the
+    kill left: the launcher's exit status and the store's status and done count."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    jobs = {case_name(*case): [*case_args(*case[1:]), "--out", folder / f"{case_name(*case)}.zarr"]
+            for case in CASES if case[0] == 2}  # fmt: skip
+    killed = folder / "killed.zarr"
+    sequence = Sequence(2, {**jobs, "killed": [*KILLED, "--out", killed]}, folder)
+    job = sequence.start()
+    deadline = time.time() + 300
+    while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6):
+        assert job.poll() is None, f"the launch ended before its last job could be killed: {job.stderr.read()[-3000:]}"
+        assert time.time() < deadline, "the last job did not get going"
+        time.sleep(0.02)
+    ranks = rank_pids(job.pid, program=b"job_sequence.py")
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    job.communicate(timeout=120)
+    group = zarr.open_group(killed, mode="r")
+    kill = {"returncode": job.returncode, "status": group.attrs["status"], "finished": int(group["done"][:].sum())}
+    return sequence, kill
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory, two_ranks):
+    """One launch of 3 ranks for the module: the 3-rank cases, then the resume of the killed store."""
+    folder = tmp_path_factory.mktemp("three-ranks")
+    jobs = {case_name(*case): [*case_args(*case[1:]), "--out", folder / f"{case_name(*case)}.zarr"]
+            for case in CASES if case[0] == 3}  # fmt: skip
+    jobs["resume"] = [*KILLED, "--out", two_ranks[0].folder / "killed.zarr"]
+    sequence = Sequence(3, jobs, folder)
+    launch = sequence.run()
+    return sequence, launch.returncode, launch.stderr
+
+
+def launched(request, processes, n, chunk, batch):
+    """(exit statuses: the launch's where it ended with this job, then each rank's; the job's stderr;
+    its store) for one case."""
+    name = case_name(processes, n, chunk, batch)
+    if processes == 1:
+        out = request.getfixturevalue("tmp_path") / "multi.zarr"
+        result = run_cli(*case_args(n, chunk, batch), "--out", out, launcher=launcher(1))
+        return [result.returncode], result.stderr, out
+    if processes == 2:  # the launch itself ends with the kill of its last job
+        (sequence, _), statuses = request.getfixturevalue("two_ranks"), []
+    else:
+        sequence, returncode, _ = request.getfixturevalue("three_ranks")
+        statuses = [returncode]
+    job = sequence.result(name)
+    return [*statuses, *job.codes], job.stderr, sequence.folder / f"{name}.zarr"
+
+
+@pytest.mark.parametrize("processes, n, chunk, batch", CASES)
+def test_ranks_share_the_work_exactly_once(cli, tmp_path, request, processes, n, chunk, batch):
     expected = single_process_store(cli, tmp_path, n, chunk, batch)
-    out = tmp_path / "multi.zarr"
-    result = run_cli(
-        *COMMON,
-        "--data",
-        f"synthetic:{n}",
-        "--chunk-size",
-        chunk,
-        "--batch-size",
-        batch,
-        "--out",
-        out,
-        launcher=launcher(processes),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    statuses, stderr, out = launched(request, processes, n, chunk, batch)
+    assert set(statuses) == {0}, stderr[-3000:]
     assert_same_store(out, expected)
     run = zarr.open_group(out, mode="r").attrs["runs"][-1]
     num_chunks = -(-n // chunk)
@@ -86,7 +123,7 @@ def test_ranks_share_the_work_exactly_once(cli, tmp_path, processes, n, chunk, b
     assert max(run["chunks_per_rank"]) - min(run["chunks_per_rank"]) <= 1
     assert sum(c > 0 for c in run["chunks_per_rank"]) == min(processes, num_chunks)
     assert run["status"] == "complete" and run["seconds"] > 0 and len(run["hostnames"]) == processes
-    assert f"{n} samples" in result.stderr
+    assert f"{n} samples" in stderr
 
 
 def test_two_machines_on_loopback(cli, tmp_path):
@@ -113,73 +150,25 @@ def test_two_machines_on_loopback(cli, tmp_path):
     assert run["world_size"] == 2 and run["chunks_per_rank"] == [3, 3]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def test_sigkill_a_rank_then_resume(cli, tmp_path, two_ranks, three_ranks):
+    """A rank of a 2-rank job SIGKILLed after 6 done chunks (in ``two_ranks``), then the same job
+    resumed by 3 ranks (in ``three_ranks``)."""
+    chunks = KILLED_N // KILLED_CHUNK
+    sequence, kill = two_ranks
+    assert kill["returncode"] != 0
+    finished = kill["finished"]
+    assert kill["status"] == "running" and 0 < finished < chunks
 
-
-def _rank_pids(launcher_pid: int) -> list[int]:
-    pids = []
-    for pid in _descendants(launcher_pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"extract" in f.read() and pid != launcher_pid:
-                    pids.append(pid)
-        except OSError:
-            continue
-    return pids
-
-
-def test_sigkill_a_rank_then_resume(cli, tmp_path):
-    n, chunk, batch = 160, 4, 4
-    args = [*COMMON, "--data", f"synthetic:{n}", "--chunk-size", str(chunk), "--batch-size", str(batch)]
-    out = tmp_path / "killed.zarr"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        [*launcher(2), "extract", *args, "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    done_dir = out / "done" / "c"
-    while time.time() < deadline:
-        if done_dir.is_dir() and len(os.listdir(done_dir)) >= 6:
-            break
-        assert job.poll() is None, "finished before it could be killed; make the job longer"
-        time.sleep(0.05)
-    ranks = [pid for pid in _rank_pids(job.pid) if pid != job.pid]
-    assert ranks, "no rank processes found"
-    os.kill(ranks[-1], signal.SIGKILL)
-    job.communicate(timeout=120)
-    assert job.returncode != 0
-    group = zarr.open_group(out, mode="r")
-    finished = int(group["done"][:].sum())
-    assert group.attrs["status"] == "running" and 0 < finished < n // chunk
-
-    result = run_cli(*args, "--out", out, launcher=launcher(3))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{finished} of {n // chunk} chunks already done" in result.stderr
-    assert f"{n // chunk - finished} chunks written, {finished} reused" in result.stderr
+    resumed, returncode, stderr = three_ranks
+    result = resumed.result("resume")
+    assert returncode == 0 and result.codes == [0, 0, 0], stderr[-3000:] + result.stderr[-3000:]
+    assert f"{finished} of {chunks} chunks already done" in result.stderr
+    assert f"{chunks - finished} chunks written, {finished} reused" in result.stderr
+    out = sequence.folder / "killed.zarr"
     runs = zarr.open_group(out, mode="r").attrs["runs"]
     assert len(runs) == 2 and runs[0]["status"] in ("interrupted", "killed") and runs[1]["world_size"] == 3
-    assert sum(runs[1]["chunks_per_rank"]) == n // chunk - finished
-    expected = single_process_store(cli, tmp_path, n, chunk, batch)
+    assert sum(runs[1]["chunks_per_rank"]) == chunks - finished
+    expected = single_process_store(cli, tmp_path, KILLED_N, KILLED_CHUNK, 4)
     assert_same_store(out, expected)
 
 

@@ -20,6 +20,7 @@ import torch
 import zarr
 from conftest import ROOT, TINY
 from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait
+from launches import launcher, rank_pids
 
 from extract.cli.verify import main as verify_main
 from extract.errors import StoreDamagedError
@@ -158,8 +159,6 @@ def test_kill_storm_one_process(tmp_path, reference):
 
 
 def _launch(processes, args, out, port):
-    from test_distributed import launcher
-
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [*launcher(processes), "extract", *map(str, args), "--out", str(out)],
@@ -168,9 +167,7 @@ def _launch(processes, args, out, port):
 
 
 def _ranks(launcher_pid):
-    from test_distributed import _rank_pids
-
-    return _rank_pids(launcher_pid)
+    return rank_pids(launcher_pid)
 
 
 def _gone(pids, within):

@@ -14,6 +14,7 @@ import pytest
 import zarr
 from conftest import ROOT, TINY, make_png_tree
 from forked import fork_run, fork_start, fork_wait
+from launches import launcher, rank_pids
 from reference import load_images, reference, resnet18
 
 from extract.store.lock import lock_path
@@ -221,8 +222,6 @@ def _fork(out, err):
 
 def _launch(out):
     """The paced job under ``accelerate launch`` with 2 ranks, in a session of its own."""
-    from test_distributed import launcher
-
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINY_PACE": PACE}
     return subprocess.Popen(
         [*launcher(2), "extract", *LONG, "--out", str(out)],
@@ -275,9 +274,7 @@ def test_preemption_writes_what_is_done_and_a_rerun_completes(cli, tmp_path, how
     if how == "SIGTERM-process":
         os.kill(job, signal.SIGTERM)
     elif how == "SIGTERM-one-of-2-ranks":
-        from test_distributed import _rank_pids
-
-        os.kill(_rank_pids(job.pid)[-1], signal.SIGTERM)  # the launcher then stops the other rank
+        os.kill(rank_pids(job.pid)[-1], signal.SIGTERM)  # the launcher then stops the other rank
     else:
         os.killpg(job.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
     # the job stops by itself (the waits' timeouts fail the test otherwise), long before its batches are over

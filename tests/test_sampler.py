@@ -6,8 +6,8 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import ROOT
+from launches import launcher
 from stores import array_store
-from test_distributed import launcher
 
 from extract import ChunkShuffleSampler
 
