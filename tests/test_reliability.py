@@ -158,8 +158,9 @@ def test_kill_storm_one_process(tmp_path, reference):
         _rerun_gives_the_reference(tmp_path, out, reference, name)
 
 
-def _launch(processes, args, out, port):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def _launch(processes, args, out, pace: float = 0):
+    """The job under ``accelerate launch`` in a session of its own; ``pace``: TINY_PACE for ``PACED``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TINY_PACE": str(pace)}
     return subprocess.Popen(
         [*launcher(processes), "extract", *map(str, args), "--out", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -191,30 +192,19 @@ def _gone(pids, within):
 LONGER = [*TINY_JOB[:-6], "--data", "synthetic:2000", "--chunk-size", "16", "--batch-size", "16"]  # a few seconds
 
 
-SLOW_NET = """
-import time, torch
-class Slow(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
-    def forward(self, x):
-        time.sleep({seconds})  # a slow model that costs no CPU: the job lasts while the test looks
-        return self.conv(x)
-def net():
-    return Slow()
-"""
+# A model that sleeps TINY_PACE seconds a batch in the launched runs (the job lasts while the test looks,
+# at no CPU cost) and not in the reruns, which then cost little.
+PACED = ["--model", f"{TINY}:paced_net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
+         "--dtype", "float32"]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path):
     """``kill -9`` of the launcher's process group (ranks run in sessions of their own): every rank is
     gone within 10 s, marking nothing it did not finish, and a rerun completes the store."""
-    (tmp_path / "slow.py").write_text(SLOW_NET.format(seconds=0.1))
-    args = ["--model", f"{tmp_path / 'slow.py'}:net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
-            "--dtype", "float32", "--data", "synthetic:640", "--chunk-size", "16", "--batch-size", "16"]  # fmt: skip
+    args = [*PACED, "--data", "synthetic:640", "--chunk-size", "16", "--batch-size", "16"]
     out = tmp_path / "orphan.zarr"
-    job = _launch(2, args, out, None)
+    job = _launch(2, args, out, pace=0.1)
     deadline = time.time() + 120
     while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
         assert job.poll() is None and time.time() < deadline, job.stderr.read()
@@ -235,7 +225,7 @@ def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path):
     from extract.data import build_dataset
     from extract.models import build_model
 
-    loaded = build_model(f"{tmp_path / 'slow.py'}:net", "DEFAULT", None, 0, 32)
+    loaded = build_model(f"{TINY}:paced_net", "DEFAULT", None, 0, 32)
     dataset = build_dataset("synthetic:640", loaded.preprocess, max(loaded.input_size))
     images = torch.stack([dataset[i][0] for i in range(len(dataset))])
     with torch.no_grad():
@@ -250,7 +240,7 @@ def test_sigterm_to_the_launcher_with_workers_stops_cleanly_with_one_line(tmp_pa
     """torch elastic signals each rank's process group, DataLoader workers included: the workers leave
     it to their rank, every rank stops after its batch, and one line gives the job's count."""
     out = tmp_path / "launcher.zarr"
-    job = _launch(2, [*LONGER, "--num-workers", "1"], out, None)
+    job = _launch(2, [*LONGER, "--num-workers", "1"], out)
     deadline = time.time() + 120
     while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
         assert job.poll() is None and time.time() < deadline, job.stderr.read()
@@ -271,19 +261,21 @@ def test_sigterm_to_the_launcher_with_workers_stops_cleanly_with_one_line(tmp_pa
 
 @pytest.mark.slow
 def test_kill_storm_two_processes(tmp_path):
-    """SIGKILL of everything (launcher and ranks) at points of a 2-process run (the store just created;
-    half the chunks done), then one rerun (a single process: resumes may change the process count)
-    gives the uninterrupted store. The model sleeps 50 ms a batch, so the kills land in the run."""
-    (tmp_path / "slow.py").write_text(SLOW_NET.format(seconds=0.05))
-    args = ["--model", f"{tmp_path / 'slow.py'}:net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
-            "--dtype", "float32", "--data", "synthetic:96", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+    """SIGKILL of everything (launcher and ranks) at points of a 2-process run seen in the store (just
+    created; half the chunks done), then one rerun (a single process: resumes may change the process
+    count) gives the uninterrupted store. The model sleeps 100 ms a batch, so the kills land in the run."""
+    args = [*PACED, "--data", "synthetic:96", "--chunk-size", "4", "--batch-size", "4"]
     expected = tmp_path / "expected.zarr"
     assert fork_run([*args, "--out", expected]) == 0
-    for trial, done in enumerate([0, 12]):
+    points = {
+        "created": lambda out: (out / "zarr.json").exists(),  # renamed into place
+        "half done": lambda out: (out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 12,
+    }
+    for trial, reached in enumerate(points.values()):
         out = tmp_path / f"storm2-{trial}.zarr"
-        job = _launch(2, args, out, None)
+        job = _launch(2, args, out, pace=0.1)
         deadline = time.time() + 120
-        while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= done):
+        while not reached(out):
             assert job.poll() is None and time.time() < deadline, job.stderr.read()
             time.sleep(0.005)
         ranks = _ranks(job.pid)
@@ -293,7 +285,8 @@ def test_kill_storm_two_processes(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         job.wait()
         assert _gone(ranks, 10)
-        assert zarr.open_group(out, mode="r").attrs["status"] == "running"
+        group = zarr.open_group(out, mode="r")
+        assert group.attrs["status"] == "running" and group["done"][:].sum() < 24  # it landed in the run
         rerun = fork_start([*args, "--out", out], stderr=tmp_path / f"rerun-{trial}.err")
         assert fork_wait(rerun) == 0, (tmp_path / f"rerun-{trial}.err").read_text()[-2000:]
         a, b = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
