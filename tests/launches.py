@@ -1,6 +1,6 @@
 """``accelerate launch`` on CPU (gloo) for the multi-process tests: the launcher's command, its rank
-processes, and one launch that runs several extract jobs in turn (``job_sequence.py``), because a
-launch's start-up costs more than the small jobs the tests run in it."""
+processes, and one launch (or one plain process) that runs several extract jobs in turn
+(``job_sequence.py``), because starting one costs more than the small jobs the tests run in it."""
 
 import json
 import os
@@ -68,23 +68,35 @@ def environment() -> dict[str, str]:
 @dataclass
 class JobResult:
     codes: list[int]  # each rank's exit status of the job
-    stderr: str  # every rank's stderr of the job, rank 0 first
+    stdout: str  # every rank's output of the job, rank 0 first
+    stderr: str
 
 
 class Sequence:
-    """Several extract jobs run in turn by one launch of ``processes`` ranks: ``jobs`` maps a name to
-    the job's arguments. ``start`` returns the launcher (a Popen); ``result(name)`` what the job did."""
+    """Several extract jobs run in turn by one launch of ``processes`` ranks (None: one plain process,
+    no launcher); ``jobs`` maps a name to the job's arguments, ``env`` adds to the environment of the
+    process, ``job_env`` (name -> variables) to a job's alone (variables read at run time only).
+    ``start`` returns the process (a Popen), ``run`` waits for it; ``result(name)`` says what a job did."""
 
-    def __init__(self, processes: int, jobs: dict[str, list], folder: Path) -> None:
-        self.processes, self.folder = processes, folder
+    def __init__(
+        self,
+        processes: int | None,
+        jobs: dict[str, list],
+        folder: Path,
+        env: dict[str, str] | None = None,
+        job_env: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        self.processes, self.folder, self.env = processes, folder, env or {}
         self.plan = folder / "plan.json"
-        self.plan.write_text(json.dumps({"dir": str(folder), "jobs": {k: list(map(str, v)) for k, v in jobs.items()}}))
+        plan = {"dir": str(folder), "jobs": {k: list(map(str, v)) for k, v in jobs.items()}, "env": job_env or {}}
+        self.plan.write_text(json.dumps(plan))
 
     def start(self) -> subprocess.Popen:
-        command = [*launcher(self.processes)[:-1], str(SEQUENCE), str(self.plan)]
+        program = launcher(self.processes)[:-1] if self.processes else [sys.executable]
         return subprocess.Popen(
-            command, cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+            [*program, str(SEQUENCE), str(self.plan)], cwd=ROOT, env={**environment(), **self.env},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
 
     def run(self, timeout: float = 600) -> subprocess.CompletedProcess:
         job = self.start()
@@ -92,11 +104,14 @@ class Sequence:
         return subprocess.CompletedProcess(job.args, job.returncode, "", err)
 
     def result(self, name: str) -> JobResult:
-        errs = [self.folder / f"{name}.rank{rank}.err" for rank in range(self.processes)]
-        stderr = "".join(f.read_text() for f in errs if f.exists())
+        ranks = range(self.processes or 1)
+        stdout, stderr = (
+            "".join(f.read_text() for f in (self.folder / f"{name}.rank{r}.{suffix}" for r in ranks) if f.exists())
+            for suffix in ("out", "err")
+        )
         codes = []
-        for rank in range(self.processes):
+        for rank in ranks:
             code = self.folder / f"{name}.rank{rank}.code"
             assert code.exists(), f"rank {rank} did not finish job {name}: {stderr[-3000:]}"
             codes.append(int(code.read_text()))
-        return JobResult(codes, stderr)
+        return JobResult(codes, stdout, stderr)

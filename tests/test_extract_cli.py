@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import TINY, run_cli
+from conftest import TINY
+from launches import Sequence
 from reference import load_images, reference, resnet18, synthetic_images
 
 
@@ -215,17 +216,40 @@ def test_list_layers(cli):
     assert "fc" in lines
 
 
-def test_unknown_layer_exits_2_with_suggestions_and_creates_nothing(tmp_path):
-    out = tmp_path / "never.zarr"
-    result = run_cli(
-        "--model", "resnet18", "--weights", "none", "--layers", "layer5", "--data", "synthetic:4", "--out",
-        out, "--image-size", "32",
-    )  # fmt: skip
-    assert result.returncode == 2
+@pytest.fixture(scope="module")
+def as_a_user_runs_it(tmp_path_factory):
+    """One process of its own (tests/job_sequence.py) runs these commands in turn, behind a proxy that
+    goes nowhere: an unknown layer; a download of weights that fails; weights found in the torch hub
+    cache (each its own TORCH_HOME, which torch reads at run time)."""
+    folder = tmp_path_factory.mktemp("cli")
+    from torchvision.models import ResNet18_Weights
+
+    cache = folder / "hub" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(resnet18(seed=7).state_dict(), cache / ResNet18_Weights.DEFAULT.url.rsplit("/", 1)[1])
+    jobs = {
+        "unknown-layer": ["--model", "resnet18", "--weights", "none", "--layers", "layer5", "--data", "synthetic:4",
+                          "--out", folder / "never.zarr", "--image-size", "32"],
+        "download": ["--model", "resnet18", "--layers", "layer4", "--data", "synthetic:2", "--out", folder / "dl.zarr",
+                     "--image-size", "32"],
+        "cached": ["--model", "resnet18", "--layers", "layer4", "--pool", "avg", "--data", "synthetic:3",
+                   "--out", folder / "cached.zarr", "--image-size", "32", "--dtype", "float32", "--num-workers", "0"],
+    }  # fmt: skip
+    job_env = {"download": {"TORCH_HOME": str(folder / "empty")}, "cached": {"TORCH_HOME": str(folder / "hub")}}
+    proxy = {"https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9"}
+    sequence = Sequence(None, jobs, folder, env=proxy, job_env=job_env)
+    launch = sequence.run(timeout=300)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    return sequence
+
+
+def test_unknown_layer_exits_2_with_suggestions_and_creates_nothing(as_a_user_runs_it):
+    result = as_a_user_runs_it.result("unknown-layer")
+    assert result.codes == [2]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr
     assert "'layer5'" in lines[0] and "layer4" in lines[0] and "--list-layers" in lines[0]
-    assert not out.exists()
+    assert not (as_a_user_runs_it.folder / "never.zarr").exists()
 
 
 @pytest.mark.parametrize(
@@ -257,31 +281,12 @@ def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, message):
     assert not out.exists()
 
 
-def test_weights_download_fails_with_clear_message(tmp_path):
-    out = tmp_path / "dl.zarr"
-    offline = {
-        "TORCH_HOME": str(tmp_path / "hub"),
-        "https_proxy": "http://127.0.0.1:9",
-        "HTTPS_PROXY": "http://127.0.0.1:9",
-    }
-    result = run_cli(
-        "--model",
-        "resnet18",
-        "--layers",
-        "layer4",
-        "--data",
-        "synthetic:2",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-        env=offline,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
+def test_weights_download_fails_with_clear_message(as_a_user_runs_it):
+    result = as_a_user_runs_it.result("download")
+    assert result.codes == [2], result.stderr
     assert "Traceback" not in result.stderr
     assert "--weights none" in result.stderr and "--checkpoint" in result.stderr
-    assert not out.exists()
+    assert not (as_a_user_runs_it.folder / "dl.zarr").exists()
 
 
 def test_summary_and_attributes(cli, tmp_path):
@@ -300,36 +305,12 @@ def test_summary_and_attributes(cli, tmp_path):
     assert zarr.open_group(out, mode="r")["features/layer3"].dtype == np.float16
 
 
-def test_cached_torchvision_weights_are_used_offline(tmp_path):
+def test_cached_torchvision_weights_are_used_offline(as_a_user_runs_it):
     """--weights DEFAULT loads from the torch hub cache when the file is there (no network needed)."""
-    from torchvision.models import ResNet18_Weights
-
+    result = as_a_user_runs_it.result("cached")
+    assert result.codes == [0], result.stderr
+    out = as_a_user_runs_it.folder / "cached.zarr"
     model = resnet18(seed=7)
-    cache = tmp_path / "hub" / "hub" / "checkpoints"
-    cache.mkdir(parents=True)
-    torch.save(model.state_dict(), cache / ResNet18_Weights.DEFAULT.url.rsplit("/", 1)[1])
-    out = tmp_path / "cached.zarr"
-    offline = {"TORCH_HOME": str(tmp_path / "hub"), "https_proxy": "http://127.0.0.1:9"}
-    result = run_cli(
-        "--model",
-        "resnet18",
-        "--layers",
-        "layer4",
-        "--pool",
-        "avg",
-        "--data",
-        "synthetic:3",
-        "--out",
-        out,
-        "--image-size",
-        "32",
-        "--dtype",
-        "float32",
-        "--num-workers",
-        "0",
-        env=offline,
-    )
-    assert result.returncode == 0, result.stderr
     images = synthetic_images(3)
     expected = reference(model, images, {"layer4": ("layer4", None)}, pool="avg")["layer4"]
     assert np.abs(read(out, "layer4") - expected).max() <= 1e-5

@@ -14,6 +14,7 @@ import pytest
 import torch
 import zarr
 from conftest import ROOT, TINY, run_cli
+from launches import Sequence
 from PIL import Image
 
 timm = pytest.importorskip("timm")
@@ -342,28 +343,47 @@ def test_list_layers_on_a_fixed_size_vit_with_another_size_is_one_line(cli):
 # --- offline and missing libraries -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("model", "env"),
-    [
-        ("timm:resnet18", {}),  # no HF_HUB_OFFLINE: the unreachable hub is noticed at once
-        ("hf:some-org/not-cached", OFFLINE),
-        ("open_clip:ViT-S-16:nonexistent_tag", OFFLINE),
-        ("resnet18", OFFLINE),
-    ],
-)
-def test_offline_download_fails_in_one_line(model, env, tmp_path):
-    home = {"HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "torch"), **env}
-    result = run_cli("--model", model, "--layers", "x", "--data", "synthetic:2", "--out", tmp_path / "o.zarr", env=home,
-                     timeout=120)  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("extract: error:"), result.stderr
-    assert "Traceback" not in result.stderr
+OFFLINE_DOWNLOADS = ["hf:some-org/not-cached", "open_clip:ViT-S-16:nonexistent_tag", "resnet18"]
+OFFLINE_LISTS = ["timm:swin_tiny_patch4_window7_224", "open_clip:ViT-S-32", "timm:vit_tiny_patch16_224"]
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    """One process with HF_HUB_OFFLINE (read when huggingface_hub is imported) and empty caches runs every
+    offline command of this module in turn: the failed downloads and the layer listings."""
+    folder = tmp_path_factory.mktemp("offline")
+    home = {"HF_HOME": str(folder / "hf"), "TORCH_HOME": str(folder / "torch"), **OFFLINE}
+    jobs = {f"download-{i}": ["--model", model, "--layers", "x", "--data", "synthetic:2", "--out", folder / f"o-{i}.zarr"]
+            for i, model in enumerate(OFFLINE_DOWNLOADS)}  # fmt: skip
+    jobs.update({f"list-{i}": ["--model", model, "--list-layers"] for i, model in enumerate(OFFLINE_LISTS)})
+    sequence = Sequence(None, jobs, folder, env=home)
+    launch = sequence.run(timeout=300)
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    return sequence
+
+
+@pytest.mark.parametrize("model", ["timm:resnet18", *OFFLINE_DOWNLOADS])
+def test_offline_download_fails_in_one_line(model, tmp_path, request):
+    if model in OFFLINE_DOWNLOADS:
+        sequence, number = request.getfixturevalue("offline"), OFFLINE_DOWNLOADS.index(model)
+        job, out = sequence.result(f"download-{number}"), sequence.folder / f"o-{number}.zarr"
+        (returncode,), stderr = job.codes, job.stderr
+    else:  # no HF_HUB_OFFLINE: the unreachable hub is noticed at once
+        home = {"HF_HOME": str(tmp_path / "hf"), "TORCH_HOME": str(tmp_path / "torch")}
+        out = tmp_path / "o.zarr"
+        result = run_cli(
+            "--model", model, "--layers", "x", "--data", "synthetic:2", "--out", out, env=home, timeout=120
+        )
+        returncode, stderr = result.returncode, result.stderr
+    assert returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("extract: error:"), stderr
+    assert "Traceback" not in stderr
     if model.startswith("open_clip"):
         assert "tags:" in lines[0]
     else:
         assert "without network" in lines[0]
-    assert not (tmp_path / "o.zarr").exists()
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(("model", "extra"), [("timm:resnet18", "timm"), ("hf:x", "hf"), ("open_clip:RN50", "clip")])
@@ -508,13 +528,11 @@ def test_open_clip_is_silenced_alone_while_it_builds(monkeypatch, caplog):
     assert any("No pretrained weights loaded" in record.getMessage() for record in caplog.records)
 
 
-@pytest.mark.parametrize(
-    "model", ["timm:swin_tiny_patch4_window7_224", "open_clip:ViT-S-32", "timm:vit_tiny_patch16_224"]
-)
-def test_list_layers_builds_without_weights_offline(model):
-    result = run_cli("--model", model, "--list-layers", env=OFFLINE, timeout=120)
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.strip()}
+@pytest.mark.parametrize("model", OFFLINE_LISTS)
+def test_list_layers_builds_without_weights_offline(model, offline):
+    job = offline.result(f"list-{OFFLINE_LISTS.index(model)}")
+    assert job.codes == [0], job.stderr
+    rows = {line.split()[0]: line.split() for line in job.stdout.splitlines() if line.strip()}
     if "swin" in model:  # Swin's stages compute in (B, H, W, C): timm's output_fmt says so
         assert rows["layers.0"][-1] == "NHWC" and rows["layers.0"][2:6] == ["(B,", "56,", "56,", "96)"]
     elif "ViT-S-32" in model:
