@@ -10,6 +10,7 @@ source.
 from __future__ import annotations
 
 import hashlib
+import re
 import tarfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -34,6 +35,31 @@ def listing_hash(lines: Iterable[str]) -> str:
         digest.update(line.encode())
         digest.update(b"\n")
     return digest.hexdigest()
+
+
+LABEL_RANGE = (-(2**63), 2**63 - 1)  # the store's labels are int64
+INTEGER_TEXT = re.compile(r"-?[0-9]+")  # ASCII digits: int() would also take '١٢' or '1_0', isdigit() takes '²'
+
+
+def parse_label(text: str) -> int:
+    """A label written as text (a file list's column, a shard's ``cls``): an integer that fits int64;
+    anything else raises ``ValueError`` saying what is wrong with it."""
+    if not INTEGER_TEXT.fullmatch(text):
+        raise ValueError(f"label '{text[:20]}' is not an integer")
+    value = int(text)
+    if not LABEL_RANGE[0] <= value <= LABEL_RANGE[1]:
+        raise ValueError(f"label {text[:20]}{'...' if len(text) > 20 else ''} does not fit in int64")
+    return value
+
+
+def utf8_name(name: str) -> bool:
+    """Whether a file name decoded by the OS (undecodable bytes kept as surrogates) is UTF-8: keys and
+    the listing hash are UTF-8 text."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Source(Dataset):
@@ -87,6 +113,8 @@ class Source(Dataset):
         assert self.decoding is not None, "build_dataset sets the decoding"
         try:
             raw, label = self.load(index)
+            if not LABEL_RANGE[0] <= label <= LABEL_RANGE[1]:  # a uint64 column: collation would overflow
+                raise ValueError(f"label {label} does not fit in int64")
             image = self.decoding(raw)
         except BAD_SAMPLE_ERRORS as e:
             blank = torch.zeros(3, self.image_size, self.image_size)
