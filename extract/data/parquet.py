@@ -206,7 +206,9 @@ class ParquetSource(Source):
         position = bisect.bisect_right(self.group_starts, index) - 1
         rows = self._row_group(position)
         at = index - self.group_starts[position]
-        value = stored_image(rows[self.listing.image_column][at])
+        value = stored_image(
+            rows[self.listing.image_column][at], beside=Path(self.listing.files[self.groups[position][0]]).parent
+        )
         label = rows[self.listing.label_column][at] if self.listing.label_column else None
         if self.listing.labels_are_names:
             label = self.class_ids.get(label, -1)
