@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash, parse_label
+from .source import DataRequest, DataSource, Source, listing_hash, parse_label, resolved_path
 
 NAMED_MISSING = 3
 
@@ -86,4 +86,6 @@ def open_filelist(location: str, request: DataRequest) -> FileListSource:
     return FileListSource(path, on_one_rank(request.ranks, lambda: read_list(path)))
 
 
-SOURCE = DataSource("filelist", location="FILE", example="filelist:/data/train.txt", open=open_filelist)
+SOURCE = DataSource(
+    "filelist", location="FILE", example="filelist:/data/train.txt", open=open_filelist, resolve=resolved_path
+)

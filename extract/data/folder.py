@@ -17,7 +17,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash, utf8_name
+from .source import DataRequest, DataSource, Source, listing_hash, resolved_path, utf8_name
 
 
 @dataclass
@@ -135,4 +135,6 @@ def open_folder(root: str, request: DataRequest) -> FolderSource:
     return FolderSource(root, on_one_rank(request.ranks, lambda: list_folder(root)))
 
 
-SOURCE = DataSource("imagefolder", location="PATH", example="imagefolder:/data/train", open=open_folder)
+SOURCE = DataSource(
+    "imagefolder", location="PATH", example="imagefolder:/data/train", open=open_folder, resolve=resolved_path
+)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash
+from .source import DataRequest, DataSource, Source, listing_hash, resolved_path
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -219,7 +219,8 @@ class ParquetSource(Source):
         if not self.listing.labels_are_names:
             return None
         return (
-            f"label column '{self.listing.label_column}' holds class names: mapped to class ids 0..{len(self.classes or []) - 1} "
+            f"label column '{self.listing.label_column}' holds class names: mapped to class ids "
+            f"0..{len(self.classes or []) - 1} "
             "in sorted order, as datasets' class_encode_column does (classes are stored)"
         )
 
@@ -239,5 +240,5 @@ def open_parquet(pattern: str, request: DataRequest) -> ParquetSource:
 
 SOURCE = DataSource(
     "parquet", location="GLOB", example="parquet:/data/train-*.parquet", open=open_parquet, library="pyarrow",
-    extra="parquet",
+    extra="parquet", resolve=resolved_path,
 )  # fmt: skip

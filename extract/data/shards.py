@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import Ranks, split_across_ranks
-from .source import DataRequest, DataSource, Source, listing_hash, parse_label, utf8_name
+from .source import DataRequest, DataSource, Source, listing_hash, parse_label, resolved_path, utf8_name
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 INDEX_FORMAT = "extract-wds-index/1"
@@ -219,4 +219,7 @@ def open_shards(location: str, request: DataRequest) -> ShardSource:
     return ShardSource(index)
 
 
-SOURCE = DataSource("wds", location="PATTERN_OR_DIR", example="wds:/data/train-{000000..000999}.tar", open=open_shards)
+SOURCE = DataSource(
+    "wds", location="PATTERN_OR_DIR", example="wds:/data/train-{000000..000999}.tar", open=open_shards,
+    resolve=resolved_path,
+)  # fmt: skip

@@ -52,6 +52,11 @@ def parse_label(text: str) -> int:
     return value
 
 
+def resolved_path(location: str) -> str:
+    """A path, or a pattern (glob, braces) whose literal folders are resolved: absolute, symlinks followed."""
+    return str(Path(location).resolve()) if location else location
+
+
 def utf8_name(name: str) -> bool:
     """Whether a file name decoded by the OS (undecodable bytes kept as surrogates) is UTF-8: keys and
     the listing hash are UTF-8 text."""
@@ -75,6 +80,7 @@ class Source(Dataset):
     classes: list[str] | None = None
     decoding: Decoding | None = None  # set by build_dataset
     image_size: int = 224
+    spec: str = ""  # set by build_dataset: the --data it was opened at, its path resolved
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -154,7 +160,8 @@ class DataSource:
 
     ``PREFIX:LOCATION`` opens it: ``open(location, request)``. ``library`` is the import name of the
     optional library it needs and ``extra`` the pip extra that installs it; the module imports the
-    library only when it opens a source, so that declaring one costs nothing.
+    library only when it opens a source, so that declaring one costs nothing. ``resolve`` writes a
+    location with its path absolute and resolved (``resolved_path`` where the location is a path).
     """
 
     prefix: str
@@ -163,6 +170,8 @@ class DataSource:
     open: Callable[[str, DataRequest], Source]
     library: str | None = None
     extra: str | None = None
+    # the location with its path resolved, so that one folder given two ways is one job; None: no path
+    resolve: Callable[[str], str] | None = None
 
     @property
     def usage(self) -> str:
