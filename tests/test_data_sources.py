@@ -225,6 +225,45 @@ def test_parquet_both_image_layouts(cli, tmp_path, layout):
     assert np.abs(features.load("layer3") - expected_features(images)).max() <= 1e-5
 
 
+def path_only_parquet(path, paths: list[str]) -> None:
+    """Image cells holding only a path, as datasets writes images that it has not embedded."""
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = pa.array([{"bytes": None, "path": p} for p in paths], struct)
+    pq.write_table(pa.table({"image": cells, "label": list(range(len(paths)))}), path)
+
+
+def test_parquet_path_cells_are_found_from_any_directory(cli, tmp_path, monkeypatch):
+    """Relative paths open as datasets opens them, from the working directory, else beside the file."""
+    images = [encoded_image(40 + i) for i in range(3)]
+    data = tmp_path / "data"
+    (data / "imgs").mkdir(parents=True)
+    for i, image in enumerate(images):
+        (data / "imgs" / f"{i}.jpg").write_bytes(image)
+    path_only_parquet(data / "beside.parquet", [f"imgs/{i}.jpg" for i in range(3)])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, _, err = cli(*SMALL, "--data", "parquet:../data/beside.parquet", "--out", "beside.zarr")
+    assert code == 0, err
+    assert np.abs(open_features("beside.zarr").load("layer3") - expected_features(images)).max() <= 1e-5
+
+    monkeypatch.chdir(data)  # paths relative to the working directory, the Parquet file elsewhere
+    path_only_parquet(tmp_path / "elsewhere" / "cwd.parquet", [f"imgs/{i}.jpg" for i in range(3)])
+    code, _, err = cli(*SMALL, "--data", f"parquet:{tmp_path}/elsewhere/cwd.parquet", "--out", tmp_path / "cwd.zarr")
+    assert code == 0, err
+    assert np.abs(open_features(tmp_path / "cwd.zarr").load("layer3") - expected_features(images)).max() <= 1e-5
+
+
+def test_a_parquet_path_cell_to_no_file_names_file_and_row_in_one_line(cli, tmp_path, monkeypatch):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "0.jpg").write_bytes(encoded_image(0))
+    path_only_parquet(tmp_path / "d.parquet", ["imgs/0.jpg", "imgs/gone.jpg"])
+    monkeypatch.chdir(tmp_path / "imgs")
+    code, _, err = cli(*SMALL, "--data", f"parquet:{tmp_path}/d.parquet", "--out", tmp_path / "o.zarr")
+    line = one_line_error(err)
+    assert code == 2 and f"{tmp_path}/d.parquet row 1" in line
+    assert f"the image's path 'imgs/gone.jpg' is in neither the working directory nor {tmp_path}" in line
+
+
 def test_parquet_without_the_named_columns(cli, tmp_path):
     path = tmp_path / "one.parquet"
     write_parquet(path, "bytes", [encoded_image(0)], [1])

@@ -112,9 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _from_config(path: str) -> dict[str, Any]:
     try:
-        table = tomllib.loads(Path(path).read_text())
+        table = tomllib.loads(Path(path).read_bytes().decode("utf-8"))  # TOML is UTF-8, whatever the locale
     except FileNotFoundError:
         raise ExtractError(f"--config {path} does not exist") from None
+    except IsADirectoryError:
+        raise ExtractError(f"--config {path} is a directory; name a TOML file") from None
+    except OSError as e:
+        raise ExtractError(f"--config {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ExtractError(f"--config {path} is not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ExtractError(f"--config {path} is not valid TOML: {e}") from None
     known = set(JobSpec.field_names())

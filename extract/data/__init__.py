@@ -4,6 +4,8 @@
 ``build_dataset(spec, preprocess, ...)`` returns a ``Source``: random access to samples (items are
 ``(image, label, index, error)``), their ``keys()``, ``classes``, a listing hash and the folder its
 images live in. The listing is made once per job (rank 0, or split across ranks), not on every rank.
+It is opened at ``job_data(spec)``, the spec with its path resolved, which the job's identity records:
+the same folder given as a relative or an absolute path is the same job.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from ..errors import ExtractError
 from .decode import DECODES, Decoding, Transform
 from .listing import Ranks
-from .registry import DATA_KINDS, open_source
+from .registry import DATA_KINDS, open_source, resolve_spec
 from .source import DataOptions, DataRequest, DataSource, Source
 from .synthetic import SyntheticImages
 
@@ -25,6 +27,7 @@ __all__ = [
     "Source",
     "SyntheticImages",
     "build_dataset",
+    "job_data",
     "reuses_index",
     "saved_indexes",
 ]
@@ -41,13 +44,18 @@ def build_dataset(
     preprocessing: dict[str, Any] | None = None,
     ranks: Ranks | None = None,
     saved_index: bytes | None = None,
+    recorded: str | None = None,
 ) -> Source:
     """Parse ``--data``, list the data once (``ranks``: the process state, to share the listing) and
-    attach the decoding; refuses empty data sets. ``saved_index``: a shard index kept with the store."""
+    attach the decoding; refuses empty data sets. ``saved_index``: a shard index kept with the store;
+    ``recorded``: the data its identity records (see ``job_data``). The source's ``spec`` is the data
+    as the job's identity records it."""
     options = options or DataOptions()
-    source = open_source(DataRequest(spec, image_size, options, ranks, saved_index))
+    recorded_as = job_data(spec, recorded)
+    source = open_source(DataRequest(spec, image_size, options, ranks, saved_index), at=recorded_as)
     if len(source) == 0:
         raise ExtractError(f"--data {spec} is empty; point it at a folder or list with images")
+    source.spec = recorded_as
     source.decoding = Decoding(
         preprocess, options.decode, preprocessing=preprocessing, exif_transpose=options.exif_transpose
     )
@@ -55,12 +63,27 @@ def build_dataset(
     return source
 
 
+def job_data(spec: str, recorded: str | None = None) -> str:
+    """The ``--data`` a job's identity records: ``spec`` with its path resolved. A store made before
+    paths were resolved records the path as it was given: where that ``recorded`` path, resolved here,
+    is the same, it is kept, so that the store's listing and fingerprint stay its own and it resumes."""
+    resolved = resolve_spec(spec)
+    if recorded is not None and recorded != resolved and resolve_spec(recorded) == resolved:
+        return recorded
+    return resolved
+
+
 def reuses_index(identity: dict[str, Any] | None, spec: str, options: DataOptions) -> bool:
     """Whether an index kept with a store made for ``identity`` lists the same ``--data`` as ``spec``."""
-    return identity is not None and all(
+    if identity is None:
+        return False
+    recorded = identity.get("data")
+    return all(
         identity.get(k) == v
-        for k, v in (("data", spec), ("image_key", options.image_key), ("label_key", options.label_key))
-    )
+        for k, v in (
+            ("data", job_data(spec, recorded)), ("image_key", options.image_key), ("label_key", options.label_key)
+        )
+    )  # fmt: skip
 
 
 def saved_indexes(source: Source) -> dict[str, bytes]:

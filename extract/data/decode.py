@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,18 +22,31 @@ DECODES = ("pil", "draft", "nvjpeg")  # --decode: PIL in full, PIL at a reduced 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 
-def stored_image(value: Any) -> RawImage:
+def stored_image(value: Any, beside: Path | None = None) -> RawImage:
     """A cell of an image column: bytes, or Hugging Face's ``{bytes, path}`` struct (bytes, else the
-    file at path); an empty one is an error the run reports as a bad sample."""
+    file at path); an empty one is an error the run reports as a bad sample.
+
+    A relative path is opened as ``datasets`` opens it, from the working directory; where no file is
+    there, from the folder ``beside`` (the Parquet file's), so that a run from elsewhere finds them."""
     if isinstance(value, dict):
         data = value.get("bytes")
         if data is None and value.get("path"):
-            with open(value["path"], "rb") as f:
-                data = f.read()
+            data = _read_image_file(value["path"], beside)
         value = data
     if value is None:
         raise ValueError("the image is empty")
     return value
+
+
+def _read_image_file(path: str, beside: Path | None) -> bytes:
+    places = [Path(path)]
+    if beside is not None and not Path(path).is_absolute():
+        places.append(beside / path)
+    for place in places:
+        if place.is_file():
+            return place.read_bytes()
+    where = f"in neither the working directory nor {beside}" if len(places) > 1 else "not found"
+    raise FileNotFoundError(f"the image's path '{path}' is {where}")
 
 
 def is_jpeg(data: bytes | memoryview) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash
+from .source import DataRequest, DataSource, Source, listing_hash, parse_label, resolved_path
 
 NAMED_MISSING = 3
 
@@ -22,16 +22,25 @@ class FileListing:
     labels: list[int]
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")  # whatever the locale: keys are UTF-8
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ExtractError(f"--data filelist:{path}: line {line} is not UTF-8 text; write the list in UTF-8") from None
+
+
 def read_list(path: Path) -> FileListing:
     names, labels = [], []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
         name, _, label = line.partition("\t")
-        if label.strip() and not label.strip().lstrip("-").isdigit():
-            raise ExtractError(f"{path}:{number}: label '{label.strip()}' is not an integer")
+        try:
+            labels.append(parse_label(label.strip()) if label.strip() else -1)
+        except ValueError as e:
+            raise ExtractError(f"--data filelist:{path}: line {number}: {e}") from None
         names.append(name.strip())
-        labels.append(int(label) if label.strip() else -1)
     base = path.parent
     missing = [name for name in names if not os.path.isfile(base / name)]
     if missing:
@@ -77,4 +86,6 @@ def open_filelist(location: str, request: DataRequest) -> FileListSource:
     return FileListSource(path, on_one_rank(request.ranks, lambda: read_list(path)))
 
 
-SOURCE = DataSource("filelist", location="FILE", example="filelist:/data/train.txt", open=open_filelist)
+SOURCE = DataSource(
+    "filelist", location="FILE", example="filelist:/data/train.txt", open=open_filelist, resolve=resolved_path
+)

@@ -17,7 +17,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash
+from .source import DataRequest, DataSource, Source, listing_hash, resolved_path, utf8_name
 
 
 @dataclass
@@ -57,6 +57,13 @@ def _walk(top: str, seen: set[tuple[int, int]]) -> list[tuple[str, list[str]]]:
     return found
 
 
+def _utf8(root: str, relative: str) -> str:
+    if not utf8_name(relative):
+        shown = os.fsencode(relative).decode("utf-8", "backslashreplace")
+        raise ExtractError(f"--data imagefolder:{root}: the name {shown} is not UTF-8; rename it (keys are UTF-8 text)")
+    return relative
+
+
 def list_folder(root: str) -> FolderListing:
     try:
         classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
@@ -64,6 +71,8 @@ def list_folder(root: str) -> FolderListing:
         raise ExtractError(f"--data imagefolder:{root}: cannot read it ({e.strerror})") from None
     if not classes:
         raise ExtractError(f"--data imagefolder:{root} has no class folders (ImageFolder layout: ROOT/CLASS/IMAGE)")
+    for name in classes:
+        _utf8(root, name)
     paths: list[str] = []
     labels: list[int] = []
     empty = []
@@ -73,7 +82,7 @@ def list_folder(root: str) -> FolderListing:
             relative = os.path.relpath(directory, root).replace(os.sep, "/")
             for file in sorted(files):
                 if file.lower().endswith(IMG_EXTENSIONS):
-                    paths.append(f"{relative}/{file}")
+                    paths.append(_utf8(root, f"{relative}/{file}"))
                     labels.append(label)
         if len(paths) == before:
             empty.append(name)
@@ -126,4 +135,6 @@ def open_folder(root: str, request: DataRequest) -> FolderSource:
     return FolderSource(root, on_one_rank(request.ranks, lambda: list_folder(root)))
 
 
-SOURCE = DataSource("imagefolder", location="PATH", example="imagefolder:/data/train", open=open_folder)
+SOURCE = DataSource(
+    "imagefolder", location="PATH", example="imagefolder:/data/train", open=open_folder, resolve=resolved_path
+)

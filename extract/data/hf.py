@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
-from .source import DataRequest, DataSource, Source
+from .source import DataRequest, DataSource, Source, resolved_path
 
 
 def _load(path: str, split: str | None) -> tuple[Any, str]:
@@ -82,6 +82,12 @@ def open_hf(location: str, request: DataRequest) -> HFSource:
     return HFSource(path, split or None, request.options.image_key, request.options.label_key)
 
 
+def resolve_hf(location: str) -> str:
+    path, colon, split = location.partition(":")
+    return f"{resolved_path(path)}{colon}{split}"
+
+
 SOURCE = DataSource(
-    "hf", location="PATH[:split]", example="hf:/data/saved", open=open_hf, library="datasets", extra="datasets"
-)
+    "hf", location="PATH[:split]", example="hf:/data/saved", open=open_hf, library="datasets", extra="datasets",
+    resolve=resolve_hf,
+)  # fmt: skip

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash
+from .source import DataRequest, DataSource, Source, listing_hash, resolved_path
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -56,6 +56,36 @@ class ParquetListing:
     image_column: str
     label_column: str | None
     classes: list[str] | None
+    labels_are_names: bool = False  # a string label column: each label is its class name
+
+
+def _label_kind(file: str, schema: pa.Schema, column: str) -> bool:
+    """Whether the label column holds class names (strings) rather than class ids (integers); any
+    other type is refused, since a float or a boolean is no class."""
+    import pyarrow as pa
+
+    kind = schema.field(column).type
+    if pa.types.is_integer(kind):
+        return False
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return True
+    raise ExtractError(
+        f"--data parquet: {file} label column '{column}' holds {kind}; labels are integers (class ids) or "
+        "strings (class names); name another column with --label-key"
+    )
+
+
+def _names_in(files: list[str], column: str) -> list[str]:
+    """The class names of a string label column, as ``datasets``' ``class_encode_column`` makes them:
+    its distinct values, sorted (nulls are no class)."""
+    import pyarrow.parquet as pq
+
+    names: set[str] = set()
+    for file in files:
+        names.update(
+            v for v in pq.read_table(file, columns=[column]).column(column).unique().to_pylist() if v is not None
+        )
+    return sorted(names)
 
 
 def _image_column(file: str, schema: pa.Schema, image_key: str | None) -> str:
@@ -63,6 +93,12 @@ def _image_column(file: str, schema: pa.Schema, image_key: str | None) -> str:
         if image_key not in schema.names:
             raise ExtractError(
                 f"--data parquet: {file} has no column '{image_key}' (--image-key); it has {', '.join(schema.names)}"
+            )
+        kind = schema.field(image_key).type
+        if not (_is_bytes(kind) or _is_image_struct(kind)):
+            raise ExtractError(
+                f"--data parquet: {file} column '{image_key}' (--image-key) holds {kind}, not images "
+                "(encoded bytes, or a {bytes, path} struct)"
             )
         return image_key
     candidates = [f.name for f in schema if _is_bytes(f.type) or _is_image_struct(f.type)]
@@ -72,6 +108,14 @@ def _image_column(file: str, schema: pa.Schema, image_key: str | None) -> str:
             f"{', '.join(schema.names)}; name it with --image-key"
         )
     return candidates[0]
+
+
+def _label_column(file: str, schema: pa.Schema, label_key: str | None) -> str | None:
+    if label_key is not None and label_key not in schema.names:
+        raise ExtractError(
+            f"--data parquet: {file} has no column '{label_key}' (--label-key); it has {', '.join(schema.names)}"
+        )
+    return label_key or ("label" if "label" in schema.names else None)
 
 
 def list_parquet(pattern: str, image_key: str | None, label_key: str | None) -> ParquetListing:
@@ -84,6 +128,7 @@ def list_parquet(pattern: str, image_key: str | None, label_key: str | None) -> 
     row_groups: list[list[int]] = []
     image_column = label_column = None
     classes = None
+    names = False
     for number, file in enumerate(files):
         try:
             metadata = pq.read_metadata(file)
@@ -93,25 +138,27 @@ def list_parquet(pattern: str, image_key: str | None, label_key: str | None) -> 
         column = _image_column(file, schema, image_key)
         if number and column != image_column:
             raise ExtractError(f"--data parquet: {file} has its images in '{column}', other files in '{image_column}'")
-        if label_key is not None and label_key not in schema.names:
-            raise ExtractError(
-                f"--data parquet: {file} has no column '{label_key}' (--label-key); it has {', '.join(schema.names)}"
-            )
-        label = label_key or ("label" if "label" in schema.names else None)
+        label = _label_column(file, schema, label_key)
         if number and label != label_column:
             raise ExtractError(f"--data parquet: {file} has label column {label!r}, other files {label_column!r}")
-        image_column, label_column = column, label
+        kind = label is not None and _label_kind(file, schema, label)
+        if number and kind != names:
+            raise ExtractError(f"--data parquet: {file} has {'string' if kind else 'integer'} labels, other files not")
+        image_column, label_column, names = column, label, kind
         if label is not None and classes is None:
             classes = _class_names(schema, label)
         row_groups.append([metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)])
     assert image_column is not None
-    return ParquetListing(files, row_groups, image_column, label_column, classes)
+    if names:
+        classes = _names_in(files, label_column)
+    return ParquetListing(files, row_groups, image_column, label_column, classes, labels_are_names=names)
 
 
 class ParquetSource(Source):
     def __init__(self, listing: ParquetListing) -> None:
         self.listing = listing
         self.classes = listing.classes
+        self.class_ids = {name: i for i, name in enumerate(listing.classes or [])} if listing.labels_are_names else {}
         unique = len({Path(f).name for f in listing.files}) == len(listing.files)
         self.names = [Path(f).name if unique else f for f in listing.files]
         # global row -> (file, row group): the first global row of every file and row group
@@ -159,13 +206,29 @@ class ParquetSource(Source):
         position = bisect.bisect_right(self.group_starts, index) - 1
         rows = self._row_group(position)
         at = index - self.group_starts[position]
-        value = stored_image(rows[self.listing.image_column][at])
+        value = stored_image(
+            rows[self.listing.image_column][at], beside=Path(self.listing.files[self.groups[position][0]]).parent
+        )
         label = rows[self.listing.label_column][at] if self.listing.label_column else None
+        if self.listing.labels_are_names:
+            label = self.class_ids.get(label, -1)
         return value, int(label) if isinstance(label, int) else -1
 
+    @property
+    def notice(self) -> str | None:
+        if not self.listing.labels_are_names:
+            return None
+        return (
+            f"label column '{self.listing.label_column}' holds class names: mapped to class ids "
+            f"0..{len(self.classes or []) - 1} "
+            "in sorted order, as datasets' class_encode_column does (classes are stored)"
+        )
+
     def listing_sha256(self) -> str:
+        # the names decide the labels; a listing with integer labels hashes as it always did
+        names = [f"classes\t{json.dumps(self.classes)}"] if self.listing.labels_are_names else []
         return listing_hash(
-            [f"{self.listing.image_column}\t{self.listing.label_column}"]
+            [f"{self.listing.image_column}\t{self.listing.label_column}", *names]
             + [f"{f}\t{groups}" for f, groups in zip(self.listing.files, self.listing.row_groups, strict=True)]
         )
 
@@ -177,5 +240,5 @@ def open_parquet(pattern: str, request: DataRequest) -> ParquetSource:
 
 SOURCE = DataSource(
     "parquet", location="GLOB", example="parquet:/data/train-*.parquet", open=open_parquet, library="pyarrow",
-    extra="parquet",
+    extra="parquet", resolve=resolved_path,
 )  # fmt: skip

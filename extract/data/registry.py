@@ -21,14 +21,25 @@ DATA_KINDS = tuple(source.usage for source in SOURCES)
 _BY_PREFIX = {source.prefix: source for source in SOURCES}
 
 
-def open_source(request: DataRequest) -> Source:
-    """The source ``request.spec`` names, opened (listed) at its location."""
-    prefix, _, location = request.spec.partition(":")
+def open_source(request: DataRequest, at: str | None = None) -> Source:
+    """The source ``request.spec`` names, opened (listed) at its location, or at ``at``: the same spec
+    written as the job records it (its path resolved); messages about the spec name it as given."""
+    prefix, _, location = (at or request.spec).partition(":")
     source = _BY_PREFIX.get(prefix)
     if source is None:
         raise ExtractError(f"unknown --data '{request.spec}'; use one of {', '.join(DATA_KINDS)}")
     _require(source, request.spec)
     return source.open(location, request)
+
+
+def resolve_spec(spec: str) -> str:
+    """``spec`` with its path resolved (``imagefolder:imgs`` -> ``imagefolder:/home/me/imgs``); a spec
+    of an unknown kind, or of a kind with no path, as it is."""
+    prefix, colon, location = spec.partition(":")
+    source = _BY_PREFIX.get(prefix)
+    if source is None or source.resolve is None or not colon:
+        return spec
+    return f"{prefix}:{source.resolve(location)}"
 
 
 def _require(source: DataSource, spec: str) -> None:

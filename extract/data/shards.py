@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import Ranks, split_across_ranks
-from .source import DataRequest, DataSource, Source, listing_hash
+from .source import DataRequest, DataSource, Source, listing_hash, parse_label, resolved_path, utf8_name
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 INDEX_FORMAT = "extract-wds-index/1"
@@ -51,6 +51,8 @@ def shard_paths(location: str) -> list[Path]:
         paths = sorted(Path(location).glob("*.tar"))
         if not paths:
             raise ExtractError(f"--data wds:{location}: the directory holds no *.tar shards")
+        for path in paths:  # a shard's name begins its samples' keys
+            _utf8(path.parent, path.name)
         return paths
     paths = [Path(p) for p in expand_braces(location)]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -70,6 +72,16 @@ def split_name(member: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), extension.lower()
 
 
+def _utf8(where: Path, name: str) -> str:
+    """``name`` (a member of the shard ``where``, or a shard in the directory ``where``), refused unless UTF-8."""
+    if not utf8_name(name):
+        shown = os.fsencode(name).decode("utf-8", "backslashreplace")
+        raise ExtractError(
+            f"--data wds: {where} holds the name {shown}, which is not UTF-8; rename it (keys are UTF-8)"
+        )
+    return name
+
+
 def index_shard(path: Path) -> list[dict[str, list[int]]]:
     """Per sample of one shard, in order of first appearance: {extension: [data offset, size]}, plus
     the key under "__key__". Reads tar headers only; a truncated shard or a file that is no tar
@@ -83,9 +95,14 @@ def index_shard(path: Path) -> list[dict[str, list[int]]]:
                     continue
                 if member.offset_data + member.size > size:
                     raise tarfile.ReadError("unexpected end of data")
-                key, extension = split_name(member.name)
+                key, extension = split_name(_utf8(path, member.name))
                 sample = samples.setdefault(key, {"__key__": key})
-                sample.setdefault(extension, [member.offset_data, member.size])
+                if extension in sample:
+                    raise ExtractError(
+                        f"--data wds: shard {path} holds '{member.name}' twice: keys in a shard must be unique "
+                        "(each sample's members share one key); rename or drop the duplicate"
+                    )
+                sample[extension] = [member.offset_data, member.size]
             # tarfile takes a header cut short for the end of the archive: a whole tar ends with
             # zero blocks after its last member, so fewer than one block left means it was cut
             if size - tar.offset < tarfile.BLOCKSIZE:
@@ -173,10 +190,7 @@ class ShardSource(Source):
         shard, offset, size, label_offset, label_size = self.index.samples[index]
         label = -1
         if label_offset >= 0:
-            text = self._read(shard, label_offset, label_size).decode().strip()
-            if not text.lstrip("-").isdigit():
-                raise ValueError(f"label '{text[:20]}' is not an integer")
-            label = int(text)
+            label = parse_label(self._read(shard, label_offset, label_size).decode().strip())
         return self._read(shard, offset, size), label
 
     def listing_sha256(self) -> str:
@@ -205,4 +219,7 @@ def open_shards(location: str, request: DataRequest) -> ShardSource:
     return ShardSource(index)
 
 
-SOURCE = DataSource("wds", location="PATTERN_OR_DIR", example="wds:/data/train-{000000..000999}.tar", open=open_shards)
+SOURCE = DataSource(
+    "wds", location="PATTERN_OR_DIR", example="wds:/data/train-{000000..000999}.tar", open=open_shards,
+    resolve=resolved_path,
+)  # fmt: skip

@@ -10,6 +10,7 @@ source.
 from __future__ import annotations
 
 import hashlib
+import re
 import tarfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,6 +37,36 @@ def listing_hash(lines: Iterable[str]) -> str:
     return digest.hexdigest()
 
 
+LABEL_RANGE = (-(2**63), 2**63 - 1)  # the store's labels are int64
+INTEGER_TEXT = re.compile(r"-?[0-9]+")  # ASCII digits: int() would also take '١٢' or '1_0', isdigit() takes '²'
+
+
+def parse_label(text: str) -> int:
+    """A label written as text (a file list's column, a shard's ``cls``): an integer that fits int64;
+    anything else raises ``ValueError`` saying what is wrong with it."""
+    if not INTEGER_TEXT.fullmatch(text):
+        raise ValueError(f"label '{text[:20]}' is not an integer")
+    value = int(text)
+    if not LABEL_RANGE[0] <= value <= LABEL_RANGE[1]:
+        raise ValueError(f"label {text[:20]}{'...' if len(text) > 20 else ''} does not fit in int64")
+    return value
+
+
+def resolved_path(location: str) -> str:
+    """A path, or a pattern (glob, braces) whose literal folders are resolved: absolute, symlinks followed."""
+    return str(Path(location).resolve()) if location else location
+
+
+def utf8_name(name: str) -> bool:
+    """Whether a file name decoded by the OS (undecodable bytes kept as surrogates) is UTF-8: keys and
+    the listing hash are UTF-8 text."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Source(Dataset):
     """Random access to a data set's samples. Items are ``(image, label, index, error)``.
 
@@ -49,6 +80,7 @@ class Source(Dataset):
     classes: list[str] | None = None
     decoding: Decoding | None = None  # set by build_dataset
     image_size: int = 224
+    spec: str = ""  # set by build_dataset: the --data it was opened at, its path resolved
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -87,6 +119,8 @@ class Source(Dataset):
         assert self.decoding is not None, "build_dataset sets the decoding"
         try:
             raw, label = self.load(index)
+            if not LABEL_RANGE[0] <= label <= LABEL_RANGE[1]:  # a uint64 column: collation would overflow
+                raise ValueError(f"label {label} does not fit in int64")
             image = self.decoding(raw)
         except BAD_SAMPLE_ERRORS as e:
             blank = torch.zeros(3, self.image_size, self.image_size)
@@ -126,7 +160,8 @@ class DataSource:
 
     ``PREFIX:LOCATION`` opens it: ``open(location, request)``. ``library`` is the import name of the
     optional library it needs and ``extra`` the pip extra that installs it; the module imports the
-    library only when it opens a source, so that declaring one costs nothing.
+    library only when it opens a source, so that declaring one costs nothing. ``resolve`` writes a
+    location with its path absolute and resolved (``resolved_path`` where the location is a path).
     """
 
     prefix: str
@@ -135,6 +170,8 @@ class DataSource:
     open: Callable[[str, DataRequest], Source]
     library: str | None = None
     extra: str | None = None
+    # the location with its path resolved, so that one folder given two ways is one job; None: no path
+    resolve: Callable[[str], str] | None = None
 
     @property
     def usage(self) -> str:

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from ..errors import ExtractError
 from .decode import RawImage
-from .source import DataRequest, DataSource, Source
+from .source import DataRequest, DataSource, Source, resolved_path
 
 
 def _dataset(name: str, root: str, split: str | None) -> Dataset:
@@ -65,6 +65,13 @@ def open_torchvision(rest: str, request: DataRequest) -> TorchvisionSource:
     return TorchvisionSource(name, root, split or None)
 
 
+def resolve_torchvision(rest: str) -> str:
+    name, colon, location = rest.partition(":")
+    root, colon_split, split = location.partition(":")
+    return f"{name}{colon}{resolved_path(root)}{colon_split}{split}"
+
+
 SOURCE = DataSource(
-    "torchvision", location="NAME:ROOT[:split]", example="torchvision:CIFAR10:/data:test", open=open_torchvision
-)
+    "torchvision", location="NAME:ROOT[:split]", example="torchvision:CIFAR10:/data:test", open=open_torchvision,
+    resolve=resolve_torchvision,
+)  # fmt: skip

@@ -199,9 +199,11 @@ def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
     index = saved_index(Path(spec.out), SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
     loaded, side = model.loaded, max(model.loaded.input_size)
+    recorded = identity.get("data") if identity and not spec.overwrite else None
     dataset = build_dataset(
-        spec.data, loaded.preprocess, side, options, preprocessing=model.preprocessing, ranks=state, saved_index=index
-    )
+        spec.data, loaded.preprocess, side, options, preprocessing=model.preprocessing, ranks=state, saved_index=index,
+        recorded=recorded,
+    )  # fmt: skip
     data = _Data(dataset)
     if index is not None:
         data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
@@ -233,7 +235,8 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan) -> JobParts:
     """The job's parts as the store's schema takes them: plain values, no model or data source."""
     loaded, layers = model.loaded, model.layers
     return JobParts(
-        options=spec.to_dict(), weights=loaded.weights, checkpoint_sha256=loaded.checkpoint_sha256,
+        options=spec.to_dict(), data=data.dataset.spec, weights=loaded.weights,
+        checkpoint_sha256=loaded.checkpoint_sha256,
         source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
         layers=[ref.name for ref in model.refs], shapes=layers.shapes, pools=layers.pools,
         layouts=layers.stored_layouts(), data_listing_sha256=data.dataset.listing_sha256(),

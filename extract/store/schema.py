@@ -56,6 +56,7 @@ class JobParts:
     and what the model, the data and the layer set-up made of them."""
 
     options: Mapping[str, Any]
+    data: str  # --data as the identity records it: its path resolved (one job however the path is given)
     weights: str  # the weights the model source loaded
     checkpoint_sha256: str | None
     source: str  # the model source
@@ -83,7 +84,7 @@ class JobParts:
             "weights": self.weights,
             "checkpoint_sha256": self.checkpoint_sha256,
             "layers": list(self.layers),
-            "data": options["data"],
+            "data": self.data,
             "data_listing_sha256": self.data_listing_sha256,
             "image_key": options["image_key"],
             "label_key": options["label_key"],
