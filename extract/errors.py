@@ -1,10 +1,12 @@
-"""The errors ``extract`` raises: one base the command lines turn into one line and exit status 2, and
-typed subclasses that also derive from the builtin a Python user expects (zarr's ``errors.py`` does the
+"""The errors ``extract`` raises: one base the command lines turn into one line and exit status 2 (its
+``exit_status``), and typed subclasses that also derive from the builtin a Python user expects (zarr's ``errors.py`` does the
 same), so that callers catch types, not message strings."""
 
 
 class ExtractError(Exception):
     """Bad input or environment: the message names the culprit and the fix."""
+
+    exit_status = 2
 
 
 class LayerNotFoundError(ExtractError, KeyError):
@@ -24,6 +26,13 @@ class SampleIndexError(ExtractError, IndexError):
 
 class StoreBusyError(ExtractError):
     """Another job holds the store's lock: wait for it, or stop it."""
+
+
+class LockLostError(ExtractError):
+    """This job lost the store's lock (it was paused or stalled past the stale age and another job took
+    the store, or the lock was removed): it stops and writes nothing more. Exit status 1: not bad input."""
+
+    exit_status = 1
 
 
 class StoreDamagedError(ExtractError):

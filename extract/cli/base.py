@@ -37,7 +37,8 @@ def say(prog: str, text: str) -> None:
 def command(
     prog: str, failures: Mapping[type[BaseException], Failure] | None = None
 ) -> Callable[[Callable[P, int]], Callable[P, int]]:
-    """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` and exit status 2;
+    """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` and its exit status
+    (2, bad input; 1 for a ``LockLostError``);
     an exception of a type in ``failures`` goes to the first handler (in order) whose type it is;
     anything else propagates with its traceback, since it is a bug rather than bad input."""
     failures = dict(failures or {})
@@ -49,7 +50,7 @@ def command(
                 return main(*args, **kwargs)
             except ExtractError as e:  # first: a typed error may also be an OSError or a KeyError
                 say(prog, f"error: {e}")
-                return 2
+                return e.exit_status
             except tuple(failures) as e:
                 handle = next(handle for kind, handle in failures.items() if isinstance(e, kind))
                 return handle(prog, e)

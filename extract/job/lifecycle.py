@@ -2,11 +2,13 @@
 
     claim --out (atomic lock, before anything is prepared or wiped)
       → create atomically, or reopen and decide: resume | complete | refuse
+      → record the lock's token as the store's writer
       → write chunks (the runner's loop) → verify cheaply → mark complete → release
 
 Rank 0 holds the lock and takes every decision about the store; the other ranks are told the outcome
 (an action, or the error to stop with), so all ranks act alike although only one looked. The run's
-record in the store's ``runs`` is closed here too, whatever ends the run.
+record in the store's ``runs`` is closed here too, whatever ends the run, except when the lock was
+lost: then the store is another job's, and nothing of it is touched.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, rebuilt
-from ..store.lock import LockUnavailable, StoreLock
+from ..errors import ExtractError, LockLostError, rebuilt
+from ..store.lock import LockUnavailable, StoreLock, lost_lock
 from ..store.store import FeatureStore, check_out_path, check_writable, sweep_scratch
 from .interrupt import Interrupted
 
@@ -132,15 +134,22 @@ class StoreLife:
 
     # create or reopen, and record the run --------------------------------------------------------
 
-    def open(self, action: str, create: Callable[[], FeatureStore]) -> FeatureStore:
-        """Rank 0 creates the store (atomically) when ``action`` is ``create``; then every rank opens it."""
+    def open(self, action: str, create: Callable[[str], FeatureStore]) -> FeatureStore:
+        """Rank 0 creates the store (atomically) when ``action`` is ``create``, with the lock's token as its
+        ``writer`` (``create(token)``), or makes the token the writer of the store it resumes; then every
+        rank opens the store fenced by that token, so that none writes once another job has it."""
 
-        def prepare() -> None:
+        def prepare() -> str:
+            assert self.lock is not None  # only "complete" needs no lock, and it opens nothing
+            self.check_lock(afresh=True)  # a claimer paused since the claim must not take the store back
             if action == "create":
-                create()
+                create(self.lock.token)
+            else:
+                FeatureStore.open(self.out).claim(self.lock.token)
+            return self.lock.token
 
-        self._on_main(prepare)
-        self.store = FeatureStore.open(self.out)
+        token = self._on_main(prepare)
+        self.store = FeatureStore.open(self.out, writer=token)
         self._done_before = int(self.store.done_flags().sum())
         return self.store
 
@@ -172,13 +181,22 @@ class StoreLife:
             runs[-1].update(seconds=round(time.time() - self._run_started, 3), **fields)
             self.store.update_attrs(runs=runs)
 
+    def check_lock(self, afresh: bool = False) -> None:
+        """Raise ``LockLostError`` on rank 0 once its heartbeat found the lock another's (cheap: a flag;
+        ``afresh`` reads the lock file too). The other ranks rely on the store's fence."""
+        if self.lock is not None and (self.lock.lost.is_set() or (afresh and not self.lock.held())):
+            raise lost_lock(self.out)
+
     # verify cheaply, mark complete, release --------------------------------------------------------
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Rank 0, after the last barrier: every chunk done and every object present, then complete."""
+        """Rank 0, after the last barrier: every chunk done and every object present, then complete; on
+        every rank, first, the store must still be ours."""
+        assert self.store is not None
+        self.check_lock(afresh=True)
+        self.store.check_writer()
         if not self.main:
             return
-        assert self.store is not None
         if left := self.store.pending_chunks():
             raise ExtractError(f"chunks {left[:5]} of {self.out} were not written; rerun the same command")
         if missing := self.store.missing_objects():
@@ -200,7 +218,7 @@ class StoreLife:
     def _record_failure(self, error: BaseException) -> None:
         """Close the run's record, and give an interrupt one message with the whole job's count."""
         store = self.store
-        if store is None:
+        if store is None or isinstance(error, LockLostError):  # the store is another job's now
             return
         if isinstance(error, Interrupted):
             if not self.main:

@@ -265,9 +265,11 @@ def _loop(
     edit: Mapping[str, Edit] | None,
     stop: StopRequests,
     forwarded: Callable[[int], None] = lambda samples: None,
+    held: Callable[[], None] = lambda: None,
 ) -> None:
     """Forward this rank's chunks under the capture and hand them to the writer; ``forwarded(n)`` after
-    each batch of n samples.
+    each batch of n samples; ``held()`` before each batch, which raises once the lock is lost (a holder
+    continued after a pause stops at once, not at its next chunk).
 
     Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
     after writing the chunks already complete.
@@ -288,7 +290,7 @@ def _loop(
             torch.inference_mode(),
             job.model.autocast,
         ):  # fmt: skip
-            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded)
+            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded, held)
         writer.close(complete=stop.signum is None and bad_image is None)
     except BaseException:
         writer.abort()
@@ -313,6 +315,7 @@ def _forward(
     writer: ChunkWriter,
     stop: StopRequests,
     forwarded: Callable[[int], None],
+    held: Callable[[], None],
 ) -> str | None:
     """Every batch through the model into the writer, until the data ends or a signal arrives; the
     first undecodable image stops it (returned) unless ``--skip-bad-images``."""
@@ -320,6 +323,7 @@ def _forward(
     batches = iter(loader)
     try:
         while stop.signum is None:
+            held()
             try:
                 images, labels, indices, errors = next(batches)
             except StopIteration:
@@ -368,9 +372,9 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
             if action == "complete":
                 return _already_complete(job, log)
             _announce(job, log)
-            store = life.open(action, lambda: _create(job))
+            store = life.open(action, lambda writer: _create(job, writer))
             pending, shares = _share(job, life, store, resume=action == "resume", log=log)
-            summary = _extract(job, store, pending, shares[state.process_index], edit, stop)
+            summary = _extract(job, store, pending, shares[state.process_index], edit, stop, life.check_lock)
             life.finish(summary.record())
     if state.is_main_process:
         log(summary.line())
@@ -393,11 +397,12 @@ def _announce(job: _Job, log: Log) -> None:
         log(note)
 
 
-def _create(job: _Job) -> FeatureStore:
+def _create(job: _Job, writer: str) -> FeatureStore:
+    """The new store, its ``writer`` the lock's token from the first instant (``store/fence.py``)."""
     plan, spec = job.plan, job.spec
     return FeatureStore.create(
         Path(spec.out), shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
-        dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
+        dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
         layouts=job.model.layers.stored_layouts(), keys=job.data.dataset.keys(),
         indexes=saved_indexes(job.data.dataset),
     )  # fmt: skip
@@ -446,14 +451,16 @@ def _extract(
     share: list[int],
     edit: Mapping[str, Edit] | None,
     stop: StopRequests,
+    held: Callable[[], None],
 ) -> Summary:
-    """This rank's share through the loop, then the barrier; the summary of the whole run."""
+    """This rank's share through the loop, then the barrier; the summary of the whole run. ``held()``
+    raises once the lock is lost."""
     state, plan = job.state, job.plan
     main = state.is_main_process
     progress = JobProgress(store, plan, pending, enabled=main, own=share)
     started = time.time()
     try:
-        _loop(job, store, share, edit, stop, progress.advance)
+        _loop(job, store, share, edit, stop, progress.advance, held)
     finally:
         progress.close()
     try:

@@ -8,6 +8,11 @@ the same instant exactly one gets it. The holder rewrites the file's mtime every
 A lock is stale, and taken over, when its holder is a process on this host that no longer exists, or
 when its heartbeat stopped ``STALE_AFTER`` seconds ago. Age alone is enough: pids are reused, so a
 live pid on this host proves nothing once the heartbeat is old.
+
+A holder paused past that age (SIGSTOP, a suspended VM, a hung NFS client) comes back without its
+lock. So every lock records a unique ``token``: the holder's heartbeat re-reads the lock and, finding
+another token (or none), sets ``lost`` and stops, never refreshing another's lock; the token is also
+the store's ``writer``, which the store checks before every write (``fence.py``).
 """
 
 from __future__ import annotations
@@ -19,18 +24,58 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import ExtractError, StoreBusyError
+from ..errors import ExtractError, LockLostError, StoreBusyError
 
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0
+# Overrides, read when a lock is made: tests pause a holder past a stale age of a second, not a minute.
+HEARTBEAT_VARIABLE, STALE_AFTER_VARIABLE = "EXTRACT_LOCK_HEARTBEAT", "EXTRACT_LOCK_STALE_AFTER"
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 def lock_path(store: Path) -> Path:
     return store.with_name(store.name + ".lock")
+
+
+def _seconds(variable: str, default: float) -> float:
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ExtractError(f"{variable}={text!r} is not a positive number of seconds; fix or unset it")
+    return value
+
+
+def timings() -> tuple[float, float]:
+    """The heartbeat and the stale age, from the environment where set. A heartbeat as slow as the stale
+    age would let another job take a live holder's lock."""
+    heartbeat, stale_after = _seconds(HEARTBEAT_VARIABLE, HEARTBEAT), _seconds(STALE_AFTER_VARIABLE, STALE_AFTER)
+    if heartbeat >= stale_after:
+        raise ExtractError(
+            f"{HEARTBEAT_VARIABLE} ({heartbeat:g} s) must be shorter than {STALE_AFTER_VARIABLE} ({stale_after:g} s)"
+        )
+    return heartbeat, stale_after
+
+
+def lost_lock(store: Path) -> LockLostError:
+    """The error of a holder whose lock, or whose store's ``writer``, is another job's now."""
+    holder = _holder(lock_path(store))
+    if holder is not None and "pid" in holder:
+        whom = f"to another job (host {holder.get('host')}, pid {holder.get('pid')})"
+    else:
+        whom = f"(its lock file {lock_path(store).name} was removed, or taken by a job that has finished)"
+    return LockLostError(
+        f"lost the lock on --out {store} {whom} while paused or stalled; this run stopped and marked "
+        "nothing more; the other job owns the store now"
+    )
 
 
 def _record_path(path: Path) -> Path:
@@ -122,21 +167,27 @@ def _create(path: Path, record: dict[str, Any]) -> bool:
     return True
 
 
-def check_unlocked(store: Path, stale_after: float = STALE_AFTER) -> None:
+def check_unlocked(store: Path, stale_after: float | None = None) -> None:
     """Refuse a store that a live job holds (for callers that only look, such as ``verify --repair``)."""
     holder = _holder(lock_path(store))
-    if holder is not None and not _stale(holder, stale_after):
+    if holder is not None and not _stale(holder, timings()[1] if stale_after is None else stale_after):
         raise _busy(store, holder)
 
 
 class StoreLock:
     """Claimed by rank 0 before anything at ``--out`` is looked at, created or wiped; held to the end."""
 
-    def __init__(self, store: Path, stale_after: float = STALE_AFTER) -> None:
+    def __init__(self, store: Path, stale_after: float | None = None) -> None:
         self.store = store
         self.path = lock_path(store)
-        self.stale_after = stale_after
-        self.record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.heartbeat, default_stale = timings()
+        self.stale_after = default_stale if stale_after is None else stale_after
+        self.token = uuid.uuid4().hex  # also the store's ``writer`` while this lock holds it
+        self.record = {
+            "host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "token": self.token,
+        }  # fmt: skip
+        self.lost = threading.Event()  # set by the heartbeat once the lock is not ours any more
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="extract-lock", daemon=True)
 
@@ -185,29 +236,31 @@ class StoreLock:
             raise _busy(self.store, {})
         try:
             again = _holder(self.path)
-            same = again is not None and all(again.get(k) == holder.get(k) for k in ("host", "pid", "started"))
+            same = again is not None and all(again.get(k) == holder.get(k) for k in ("host", "pid", "started", "token"))
             if same and _stale(again, self.stale_after):
                 self.path.unlink(missing_ok=True)
         finally:
             guard.unlink(missing_ok=True)
 
-    def _ours(self) -> bool:
+    def held(self) -> bool:
+        """Whether the lock file is still ours, read afresh: not taken over, not removed by hand."""
         holder = _holder(self.path)
-        return holder is not None and all(holder.get(k) == v for k, v in self.record.items())
+        return holder is not None and holder.get("token") == self.token
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT):
+        while not self._stop.wait(self.heartbeat):
+            if not self.held():  # taken over after we stalled past the stale age, or removed
+                self.lost.set()
+                return  # never refresh, nor recreate, another's lock
             try:
-                if not self._ours():
-                    return  # taken over after we stalled past STALE_AFTER: never refresh another's lock
                 os.utime(self.path)
             except OSError:
-                return
+                continue  # a read-only remount: the writes will fail and say so
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         try:
-            if self._ours():
+            if self.held():
                 self.path.unlink()
         except OSError:
             pass  # a read-only remount: the error that stopped the run is the one to report

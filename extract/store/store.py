@@ -25,6 +25,8 @@ from ..capture.layout import Layout
 from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
 from . import objects
 from .chunks import Plan
+from .fence import ROOT_METADATA, FencedStore, writer_of
+from .lock import lost_lock
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs
 
 SCRATCH = (".creating-", ".trash-")  # sibling directories of a store being built or deleted
@@ -172,9 +174,10 @@ class _Skeleton:
 class FeatureStore:
     """``features/<layer>``, ``labels`` and ``done`` in one zarr group, plus the job's attributes."""
 
-    def __init__(self, group: zarr.Group, path: Path) -> None:
+    def __init__(self, group: zarr.Group, path: Path, writer: str | None = None) -> None:
         self.group = group
         self.path = path
+        self.writer = writer  # the job's token: every write is refused once the store's ``writer`` is not it
         self._arrays: dict[str, zarr.Array] = {}
         self._chunk_of_key: dict[str, dict[str, int]] = {}
 
@@ -217,9 +220,11 @@ class FeatureStore:
         return cls.open(path)
 
     @classmethod
-    def open(cls, path: Path, mode: str = "r+") -> FeatureStore:
+    def open(cls, path: Path, mode: str = "r+", writer: str | None = None) -> FeatureStore:
         """Open and validate: a known format version, every array there, shapes that agree with
-        ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed."""
+        ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed.
+        ``writer``: the job's lock token, which the store's ``writer`` must be for any write to happen
+        (``fence.py``); set it with ``claim`` first."""
         attrs = _store_attrs(path)
         if attrs is None:
             raise (ExtractError if path.exists() else StoreNotFoundError)(f"{path} is not an extract store")
@@ -229,9 +234,22 @@ class FeatureStore:
                 f"{path} has format_version {version!r}; this extract knows {', '.join(map(str, KNOWN_FORMAT_VERSIONS))} "
                 "(a newer extract wrote it, or its zarr.json was edited)"
             )
-        store = cls(zarr.open_group(path, mode=mode), path)
+        location: Any = path
+        if writer is not None:
+            location = FencedStore(zarr.storage.LocalStore(path, read_only=mode == "r"), token=writer, path=path)
+        store = cls(zarr.open_group(location, mode=mode), path, writer)
         store._validate(attrs)
         return store
+
+    def claim(self, token: str) -> None:
+        """Make ``token`` (a lock's) the store's ``writer``: the previous writer's writes are refused from
+        now on. Only the lock's holder calls this, before any chunk is written."""
+        self.update_attrs(writer=token)
+
+    def check_writer(self, token: str | None = None) -> None:
+        """Raise ``LockLostError`` unless the store's ``writer``, read afresh, is ``token`` (default: ours)."""
+        if writer_of(objects.read(self.group.store, ROOT_METADATA)) != (token or self.writer):
+            raise lost_lock(self.path)
 
     def _validate(self, attrs: dict[str, Any]) -> None:
         n, c = attrs.get("num_samples"), attrs.get("chunk_size")

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ..capture.staging import HostStaging, Slot
+from ..errors import LockLostError
 from .chunks import Plan, chunk_segments
 from .store import FeatureStore
 
@@ -66,6 +67,8 @@ class ChunkWriter:
         self._thread.start()
 
     def check(self) -> None:
+        if isinstance(self._error, LockLostError):  # not a failure of the writer: said as it is, exit 1
+            raise self._error
         if self._error is not None:
             raise WriterError(f"writing the store failed: {self._error!r}") from self._error
 
