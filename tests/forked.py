@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+import extract.job.runner  # noqa: F401 - imported once here, not in every child (seconds each on a busy machine)
+
 # A generous bound for a child that should exit on its own: reaching it means the child hung.
 EXIT_TIMEOUT = 300.0
 

@@ -554,6 +554,123 @@ def test_a_store_still_being_created_is_an_error_not_a_keyerror(tmp_path):
         open_features(out, allow_partial=True)
 
 
+# ------------------------------------------------------------------------- a holder that lost its lock
+
+# Two jobs that differ in their seed only (paced_by_seed's weights follow --seed); A also differs in
+# length, so that it runs on while B runs. The lock goes stale after 1 s (a heartbeat of 0.2 s).
+SEEDED = ["--model", f"{TINY}:paced_by_seed", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
+          "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+JOB_A = [*SEEDED, "--data", "synthetic:160", "--seed", "0"]
+JOB_B = [*SEEDED, "--data", "synthetic:64", "--seed", "1"]
+FAST_LOCK = {"EXTRACT_LOCK_HEARTBEAT": "0.2", "EXTRACT_LOCK_STALE_AFTER": "1"}
+
+
+def _environment(**variables: str):
+    """For ``before``: the child's environment (read when the lock is made, and by the paced model)."""
+    return lambda: os.environ.update(variables)
+
+
+def _chunks_done(out: Path) -> int:
+    done = out / "done" / "c"
+    return len(os.listdir(done)) if done.is_dir() else 0
+
+
+def _lock_pid(out: Path) -> int | None:
+    try:
+        return json.loads(lock_path(out).read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
+def _until(reached, pid: int, err: Path, within: float = 120) -> None:
+    """Wait until ``reached()``, with the job ``pid`` still running."""
+    deadline = time.time() + within
+    while not reached():
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), err.read_text()[-2000:]
+        assert time.time() < deadline, f"not reached within {within} s"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def reference_b(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref-b") / "b.zarr"
+    assert fork_run([*JOB_B, "--out", out]) == 0
+    return out
+
+
+def _assert_is_b(out: Path, reference_b: Path, capsys) -> None:
+    """``out`` is B's store, chunk by chunk, with B's run its only record, and verify finds it clean."""
+    got, expected = zarr.open_group(out, mode="r"), zarr.open_group(reference_b, mode="r")
+    assert got.attrs["status"] == "complete" and got["done"][:].all() and got["done"].shape == (16,)
+    assert got.attrs["fingerprint"] == expected.attrs["fingerprint"]
+    assert [run["status"] for run in got.attrs["runs"]] == ["complete"]
+    for name in ("features/conv", "labels", "valid", "keys"):
+        for chunk in range(16):
+            rows = slice(4 * chunk, 4 * chunk + 4)
+            np.testing.assert_array_equal(got[name][rows], expected[name][rows], err_msg=f"{name}, chunk {chunk}")
+    assert verify_main([str(out)]) == 0, capsys.readouterr().out
+
+
+def _assert_lost_the_lock(code: int, err: str, out: Path) -> None:
+    line = one_line_error(err)
+    assert code == 1, err[-2000:]
+    assert f"lost the lock on --out {out}" in line and "marked nothing more" in line, line
+
+
+def test_a_paused_holder_stops_and_leaves_the_store_to_the_job_that_took_it(tmp_path, reference_b, capsys):
+    """A is stopped (SIGSTOP) past the stale age; B takes the store over with --overwrite for another job;
+    A, continued while B runs, stops with one line (exit 1), leaves B's lock alone, and B's store is B's."""
+    out, a_err, b_err = tmp_path / "taken.zarr", tmp_path / "a.err", tmp_path / "b.err"
+    a = fork_start([*JOB_A, "--out", out], _environment(TINY_PACE="0.1", **FAST_LOCK), stderr=a_err)
+    try:
+        _until(lambda: _chunks_done(out) >= 3, a, a_err)
+        os.kill(a, signal.SIGSTOP)
+        lock = lock_path(out)
+        while time.time() - lock.stat().st_mtime < 1.1:  # A's heartbeat has stopped: the lock goes stale
+            time.sleep(0.02)
+        b = fork_start([*JOB_B, "--out", out, "--overwrite"], _environment(TINY_PACE="0.15", **FAST_LOCK), b_err)
+        _until(lambda: _lock_pid(out) == b and _chunks_done(out) >= 2, b, b_err)
+        os.kill(a, signal.SIGCONT)
+        code = fork_wait(a, timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(a, signal.SIGCONT)
+    _assert_lost_the_lock(code, a_err.read_text(), out)
+    assert f"pid {b}" in one_line_error(a_err.read_text())
+    assert os.waitpid(b, os.WNOHANG) == (0, 0), "B should still be running, for its lock to be seen"
+    assert _lock_pid(out) == b, "A must leave B's lock alone"
+    assert fork_wait(b) == 0, b_err.read_text()[-2000:]
+    _assert_is_b(out, reference_b, capsys)
+    assert not lock.exists()
+
+
+def test_a_holder_whose_lock_was_removed_stops_at_its_next_write(tmp_path, reference_b, capsys):
+    """The lock is removed by hand while A runs (its heartbeat too slow to notice); B, another job, takes
+    the store with --overwrite and completes while A goes on: the store refuses A's writes, A stops with
+    one line (exit 1), and the store is B's."""
+    out, a_err = tmp_path / "unlocked.zarr", tmp_path / "a.err"
+    slow_lock = {"EXTRACT_LOCK_HEARTBEAT": "30", "EXTRACT_LOCK_STALE_AFTER": "60"}
+    a = fork_start([*JOB_A, "--out", out], _environment(TINY_PACE="0.1", **slow_lock), stderr=a_err)
+    _until(lambda: _chunks_done(out) >= 3, a, a_err)
+    lock_path(out).unlink()
+    assert fork_run([*JOB_B, "--out", out, "--overwrite"], stderr=tmp_path / "b.err") == 0
+    _assert_lost_the_lock(fork_wait(a, timeout=60), a_err.read_text(), out)
+    _assert_is_b(out, reference_b, capsys)
+    assert not lock_path(out).exists()
+
+
+def test_a_store_from_before_fencing_is_resumed_and_gets_a_writer(tmp_path, reference, cli):
+    out = tmp_path / "old.zarr"
+    shutil.copytree(reference, out)
+    group = zarr.open_group(out, mode="r+")
+    group.attrs.pop("writer")
+    FeatureStore.open(out).clear_done([3])
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    assert code == 0 and "1 chunk written, 11 reused" in err, err
+    assert_same_store(out, reference)
+    assert len(zarr.open_group(out, mode="r").attrs["writer"]) == 32
+
+
 # ----------------------------------------------------------------------------------- signals, records
 
 
