@@ -23,9 +23,9 @@ from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_w
 from launches import launcher, rank_pids
 
 from extract.cli.verify import main as verify_main
-from extract.errors import StoreDamagedError
+from extract.errors import LockLostError, StoreDamagedError
 from extract.read.features import open_features
-from extract.store.lock import lock_path
+from extract.store.lock import StoreLock, lock_path
 from extract.store.store import FeatureStore
 
 TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
@@ -669,6 +669,63 @@ def test_a_store_from_before_fencing_is_resumed_and_gets_a_writer(tmp_path, refe
     assert code == 0 and "1 chunk written, 11 reused" in err, err
     assert_same_store(out, reference)
     assert len(zarr.open_group(out, mode="r").attrs["writer"]) == 32
+
+
+def test_the_heartbeat_finds_its_lock_taken_or_removed_and_never_refreshes_or_recreates_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXTRACT_LOCK_HEARTBEAT", "0.05")
+    out = tmp_path / "held.zarr"
+    other = json.dumps({"host": "elsewhere", "pid": 1, "started": "2026-01-01T00:00:00", "token": "another"})
+    for how in ("taken over", "removed"):
+        with StoreLock(out) as lock:
+            assert lock.held() and not lock.lost.is_set() and json.loads(lock.path.read_text())["token"] == lock.token
+            if how == "removed":
+                lock.path.unlink()
+            else:
+                lock.path.write_text(other)
+            assert lock.lost.wait(5) and not lock.held()
+            if how != "removed":
+                os.utime(lock.path, (0, 0))
+            time.sleep(0.2)  # a few more beats
+        if how == "removed":
+            assert not lock.path.exists()
+        else:  # neither refreshed nor deleted on exit
+            assert lock.path.read_text() == other and lock.path.stat().st_mtime == 0
+            lock.path.unlink()
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"EXTRACT_LOCK_STALE_AFTER": "soon"}, "EXTRACT_LOCK_STALE_AFTER='soon' is not a positive number of seconds"),
+        ({"EXTRACT_LOCK_HEARTBEAT": "5", "EXTRACT_LOCK_STALE_AFTER": "5"}, "must be shorter than"),
+    ],
+)
+def test_bad_lock_timings_are_one_line_before_anything_exists(tmp_path, cli, monkeypatch, variables, message):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = cli(*TINY_JOB, "--out", tmp_path / "x.zarr")
+    assert code == 2 and message in one_line_error(err)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_store_refuses_every_write_of_another_writer(tmp_path, reference):
+    out = tmp_path / "fenced.zarr"
+    shutil.copytree(reference, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    ours = FeatureStore.open(out, writer=zarr.open_group(out, mode="r").attrs["writer"])
+    ours.check_writer()
+    stale = FeatureStore.open(out, writer="an older generation")
+    rows = np.zeros((4, 4, 15, 15), dtype=np.float32)
+    writes = {
+        "a chunk": lambda: stale.write_chunk(0, 0, 4, {"heads.conv": rows}, np.zeros(4), np.ones(4, dtype=bool)),
+        "attributes": lambda: stale.update_attrs(status="complete"),
+        "a done flag": lambda: stale.clear_done([1]),
+        "the check": stale.check_writer,
+    }
+    for what, write in writes.items():
+        with pytest.raises(LockLostError, match=f"lost the lock on --out {out}"):
+            write()
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before, what
 
 
 # ----------------------------------------------------------------------------------- signals, records
