@@ -1,16 +1,21 @@
 """The store's fence (store/fence.py): write_chunk with and without it, on a 16 MiB float16 chunk (ResNet-50
 layer3 maps, 42 samples) and on a tiny one. Run: PYTHONPATH=. python benchmarks/fence_overhead.py"""
 
-import shutil, statistics, tempfile, time
+import shutil
+import statistics
+import tempfile
+import time
 from pathlib import Path
+
 import numpy as np
+
 from extract.store.store import FeatureStore
 
 
 def bench(shape, rows, reps):
     root = Path(tempfile.mkdtemp(dir="/tmp"))
     out = root / "b.zarr"
-    store = FeatureStore.create(
+    FeatureStore.create(
         out,
         shapes={"x": shape},
         num_samples=rows * reps,
@@ -23,7 +28,7 @@ def bench(shape, rows, reps):
     values = rng.standard_normal((rows, *shape)).astype(np.float16)
     labels, valid = np.zeros(rows, dtype=np.int64), np.ones(rows, dtype=bool)
     result = {}
-    for trial in range(3):
+    for _trial in range(3):
         for name, writer in (("plain", None), ("fenced", "w")):
             s = FeatureStore.open(out, writer=writer)
             times = []
