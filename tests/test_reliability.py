@@ -330,7 +330,7 @@ def test_verify_finds_damage_the_reader_refuses_it_and_repair_recomputes(tmp_pat
 
     assert verify_main([str(out)]) == 1
     line = capsys.readouterr().out.strip()
-    assert len(line.splitlines()) == 1 and "1 of 12 done chunks damaged" in line and f"chunk 5: {array}" in line
+    assert len(line.splitlines()) == 1 and "1 of 12 chunks damaged" in line and f"chunk 5: {array}" in line
 
     features = open_features(out)
     what = "layer 'heads.conv'" if array.startswith("features") else array

@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..errors import StoreDamagedError
 from ..store.lock import StoreLock
 from ..store.store import FeatureStore
 from ..store.verify import repair, verify
@@ -30,12 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
 @command("extract.verify")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.repair:
-        with StoreLock(args.store):
-            store = FeatureStore.open(args.store, mode="r+")
-            report = verify(store)
-            repair(store, report)
-    else:
-        report = verify(FeatureStore.open(args.store, mode="r"))
+    try:
+        if args.repair:
+            with StoreLock(args.store):
+                store = FeatureStore.open(args.store, mode="r+")
+                found = verify(store)
+                report = repair(store, found)
+        else:
+            report = found = verify(FeatureStore.open(args.store, mode="r"))
+    except StoreDamagedError as e:  # damage found on opening (metadata): a finding, not bad input
+        print(f"extract.verify: {e}")
+        return 1
     print(report.line(args.repair))
-    return 1 if report.damaged else 0
+    return 0 if found.clean else 1

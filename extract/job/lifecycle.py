@@ -113,16 +113,7 @@ class StoreLife:
                 "pass --overwrite to replace it, or choose another --out"
             )
         if action != "create":
-            store = FeatureStore.open(self.out, mode="r")  # validates the metadata
-            if missing := store.missing_objects():
-                first = ", ".join(f"chunk {k}: {', '.join(names)}" for k, names in list(missing.items())[:3])
-                if self.read_only:
-                    raise ExtractError(
-                        f"--out {self.out} lost objects ({first}) and is not writable; copy it elsewhere"
-                    )
-                FeatureStore.open(self.out).clear_done(sorted(missing))
-                self.log(f"extract: {len(missing)} done chunks of {self.out} lost objects ({first}); recomputing them")
-                action = "resume"
+            action = self._recheck(action)
         if action != "complete":
             if self.read_only:
                 raise ExtractError(
@@ -131,6 +122,30 @@ class StoreLife:
             target = self.out if self.out.is_dir() else self.out.parent
             check_writable(target, f"--out {self.out} is not writable")
         return action
+
+    def _recheck(self, action: str) -> str:
+        """``resume`` when done chunks lost objects (their done is cleared) or a "complete" store has
+        chunks not done (its status goes back to running): the rerun computes exactly those."""
+        store = FeatureStore.open(self.out, mode="r")  # validates the metadata
+        missing = store.missing_objects()
+        pending = store.pending_chunks() if action == "complete" else []
+        if not missing and not pending:
+            return action
+        first = ", ".join(f"chunk {k}: {', '.join(names)}" for k, names in list(missing.items())[:3])
+        if self.read_only:
+            what = f"lost objects ({first})" if missing else f"is marked complete but chunks {pending[:5]} are not done"
+            raise ExtractError(f"--out {self.out} {what} and is not writable; copy it elsewhere")
+        writable = FeatureStore.open(self.out)
+        if missing:
+            writable.clear_done(sorted(missing))
+            self.log(f"extract: {len(missing)} done chunks of {self.out} lost objects ({first}); recomputing them")
+        if pending:
+            writable.update_attrs(status="running")
+            self.log(
+                f"extract: {self.out} is marked complete but {len(pending)} chunks are not done "
+                f"(chunk {', '.join(map(str, pending[:5]))}); computing them"
+            )
+        return "resume"
 
     # create or reopen, and record the run --------------------------------------------------------
 

@@ -210,7 +210,7 @@ class Features:
     @cached_property
     def keys(self) -> np.ndarray:
         """(N,) str: where each row came from (path relative to the root, ``shard/key``, ``file/row``)."""
-        if "keys" not in self.store.group:
+        if not self.store.has("keys"):
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
         return self._checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
 

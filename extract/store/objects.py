@@ -15,7 +15,7 @@ from collections.abc import Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from zarr.abc.store import Store
+from zarr.abc.store import Store, SuffixByteRequest
 from zarr.buffer import default_buffer_prototype
 
 T = TypeVar("T")
@@ -57,6 +57,29 @@ def read(store: Store, key: str) -> bytes | None:
         return None if buffer is None else buffer.to_bytes()
 
     return _wait(get())
+
+
+def suffixes(store: Store, keys: Iterable[str], size: int) -> list[bytes | None]:
+    """The last ``size`` bytes of each object ``keys``, fetched concurrently (one ranged GET each on
+    object storage); None where an object is absent, shorter, or cannot be read."""
+
+    async def tail(key: str) -> bytes | None:
+        try:
+            buffer = await store.get(key, prototype=default_buffer_prototype(), byte_range=SuffixByteRequest(size))
+        except OSError:  # an object shorter than ``size`` (seeking before its start)
+            return None
+        data = None if buffer is None else buffer.to_bytes()
+        return data if data is not None and len(data) == size else None
+
+    async def tails() -> list[bytes | None]:
+        return list(await asyncio.gather(*(tail(key) for key in keys)))
+
+    return _wait(tails())
+
+
+def write(store: Store, key: str, data: bytes) -> None:
+    """Replace object ``key`` with ``data`` (one PUT)."""
+    _wait(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def delete(store: Store, keys: Iterable[str]) -> None:

@@ -20,12 +20,17 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 from ..errors import ExtractError
 
 FORMAT = "extract-features"
-FORMAT_VERSION = 2  # 2: every object has a crc32c checksum
-KNOWN_FORMAT_VERSIONS = (1, 2)
+# 2: every object has a crc32c checksum; 3: a done chunk's objects' checksums are recorded in ``digests``,
+# and the identity attributes' digests in ``identity_sha256``
+FORMAT_VERSION = 3
+KNOWN_FORMAT_VERSIONS = (1, 2, 3)
 COMPRESSORS = ("zstd", "blosc", "none")
 # numpy's variable-width strings: zarr writes them 3x faster than fixed-width "<U" (numpy >= 2)
 STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
 # the identity's fields a reader most often wants, copied to the top level of the attributes
+# the attributes that say what the store holds, digested at creation (``identity_digests``); the job's
+# record (``runs``, ``status``, ``summary``, a writer's token) changes legitimately and is left out
+IDENTITY_ATTRIBUTES = ("format", "format_version", "identity", "fingerprint", "layers", "num_samples", "chunk_size")
 TOP_LEVEL = ("model", "weights", "preprocessing", "num_samples", "chunk_size", "dtype", "precision", "pool")
 
 
@@ -47,7 +52,18 @@ def checked(compressors: list[Any] | None) -> list[Any]:
 
 def fingerprint(identity: Mapping[str, Any]) -> str:
     """A stable hash of everything that decides the stored values and layout."""
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return _digest(identity)
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_digests(attrs: Mapping[str, Any], arrays: Sequence[str]) -> dict[str, str]:
+    """A digest of each identity attribute and of the store's list of arrays: ``verify`` recomputes
+    them and names the attribute that was edited (one digest of them all could not say which)."""
+    values = {name: attrs.get(name) for name in IDENTITY_ATTRIBUTES} | {"arrays": sorted(arrays)}
+    return {name: _digest(value) for name, value in values.items()}
 
 
 @dataclass(frozen=True)

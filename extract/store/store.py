@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.buffer import default_buffer_prototype
 from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
@@ -27,11 +28,17 @@ from . import objects
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, writer_of
 from .lock import lost_lock
-from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs
+from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
 
 SCRATCH = (".creating-", ".trash-")  # sibling directories of a store being built or deleted
 INDEXES = "index"  # the group of saved listings (``index/<name>``, uint8): not per-sample arrays
 INDEX_CHUNK_BYTES = 16 * 2**20
+# (K, A) uint32: row k holds the crc32c of chunk k's object in each per-sample array (format 3). The
+# checksum codec goes last, so an object's last 4 bytes are its own crc32c: the digest costs a 4-byte
+# read of what was just written, not a second hash of the data.
+DIGESTS = "digests"
+DIGEST_BYTES = 4
+METADATA = "zarr.json"
 
 
 def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[str, ...]:
@@ -44,13 +51,21 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[s
     return ("sample", *(f"{layer}.{n}" for n in names))
 
 
-def _store_attrs(path: Path) -> dict[str, Any] | None:
-    meta = path / "zarr.json"
+def _store_attrs(path: Path, damaged: bool = False) -> dict[str, Any] | None:
+    """The attributes of the extract store at ``path``, or None; root metadata that do not decode are
+    None too, or, with ``damaged``, a ``StoreDamagedError`` naming them."""
+    meta = path / METADATA
     if not meta.is_file():
         return None
     try:
         attrs = json.loads(meta.read_text()).get("attributes", {})
-    except (OSError, ValueError):
+        if not isinstance(attrs, dict):
+            raise ValueError("attributes are not a mapping")
+    except (OSError, ValueError, AttributeError):
+        if damaged:
+            raise StoreDamagedError(
+                f"{meta} does not decode as zarr metadata; rerun the job with --overwrite"
+            ) from None
         return None
     return attrs if attrs.get("format") == FORMAT else None
 
@@ -126,12 +141,21 @@ class _Skeleton:
         )
         self._features(group.create_group("features"))
         self._per_sample(group)
+        num_chunks = Plan(self.num_samples, self.chunk_size).num_chunks
         group.create_array(
-            "done", shape=(Plan(self.num_samples, self.chunk_size).num_chunks,), chunks=(1,), dtype="bool",
+            "done", shape=(num_chunks,), chunks=(1,), dtype="bool",
             fill_value=False, compressors=[Crc32cCodec()], dimension_names=("chunk",),
+        )  # fmt: skip
+        columns = [*(f"features/{layer}" for layer in self.shapes), "labels", "valid"]
+        columns += ["keys"] if self.keys is not None else []
+        group.create_array(
+            DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
+            compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},
         )  # fmt: skip
         if self.indexes:
             self._indexes(group.create_group(INDEXES))
+        arrays = [name for name, member in group.members(max_depth=None) if isinstance(member, zarr.Array)]
+        group.attrs.update({"identity_sha256": identity_digests(dict(group.attrs), arrays)})
 
     def _features(self, features: zarr.Group) -> None:
         for layer, shape in self.shapes.items():
@@ -180,6 +204,7 @@ class FeatureStore:
         self.writer = writer  # the job's token: every write is refused once the store's ``writer`` is not it
         self._arrays: dict[str, zarr.Array] = {}
         self._chunk_of_key: dict[str, dict[str, int]] = {}
+        self._has_digests: bool | None = None
 
     @classmethod
     def create(
@@ -225,7 +250,7 @@ class FeatureStore:
         ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed.
         ``writer``: the job's lock token, which the store's ``writer`` must be for any write to happen
         (``fence.py``); set it with ``claim`` first."""
-        attrs = _store_attrs(path)
+        attrs = _store_attrs(path, damaged=True)
         if attrs is None:
             raise (ExtractError if path.exists() else StoreNotFoundError)(f"{path} is not an extract store")
         version = attrs.get("format_version")
@@ -258,7 +283,8 @@ class FeatureStore:
         num_chunks = -(-n // c)
         expected = {f"features/{layer}": None for layer in attrs.get("layers", [])}
         expected.update(labels=None, valid=None)
-        for name in [*expected, "done"]:
+        optional = [name for name in ("keys", DIGESTS) if self.has(name)]  # read back, so checked too
+        for name in [*expected, "done", *optional]:
             try:
                 array = self.array(name)
             except KeyError:
@@ -266,7 +292,7 @@ class FeatureStore:
                     f"{self.path} has no array '{name}': it is damaged or not finished being created; "
                     "rerun the job with --overwrite"
                 ) from None
-            rows, chunk = (num_chunks, 1) if name == "done" else (n, c)
+            rows, chunk = (num_chunks, 1) if name in ("done", DIGESTS) else (n, c)
             if array.shape[:1] != (rows,) or array.chunks[:1] != (chunk,):
                 raise StoreDamagedError(
                     f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
@@ -281,12 +307,48 @@ class FeatureStore:
         self.group.attrs.update(values)
 
     def array(self, name: str) -> zarr.Array:
+        """Array ``name``; ``KeyError`` when there is none, ``StoreDamagedError`` when its metadata are garbage."""
         if name not in self._arrays:
+            try:
+                array = self.group[name]
+            except Exception as e:  # noqa: BLE001 - absent, or metadata that zarr cannot decode
+                if not self.has(name):
+                    raise KeyError(name) from None
+                raise self._undecodable(name, e) from None
+            if not isinstance(array, zarr.Array):
+                raise KeyError(name)
             # Every chunk written here is real data: skip zarr's scan of each chunk for "all fill value"
             # (write_empty_chunks=False), which costs as much CPU as zstd-1 encoding it (benchmarks/RESULTS.md).
-            array: zarr.Array = self.group[name]  # type: ignore[assignment]
             self._arrays[name] = array.with_config({"write_empty_chunks": True})
         return self._arrays[name]
+
+    def has(self, name: str) -> bool:
+        """Whether node ``name`` has metadata (decodable or not): one existence check, no decoding."""
+        return objects.read(self.group.store, f"{name}/{METADATA}") is not None
+
+    def _undecodable(self, name: str, error: Exception) -> StoreDamagedError:
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        return StoreDamagedError(
+            f"{self.path}/{name}/{METADATA} does not decode as zarr metadata ({type(error).__name__}: {first}); "
+            "rerun the job with --overwrite"
+        )
+
+    def _members(self) -> list[tuple[str, zarr.Array]]:
+        """Every array of the store, by path; metadata that do not decode are named, not a JSON trace."""
+        try:
+            return [(name, m) for name, m in self.group.members(max_depth=None) if isinstance(m, zarr.Array)]
+        except Exception as e:  # noqa: BLE001 - find the node whose metadata zarr choked on
+            for key in sorted(objects.listed(self.group.store, "")):
+                node = key.removesuffix(f"/{METADATA}")
+                if key.endswith(f"/{METADATA}"):
+                    try:
+                        self.group[node]
+                    except Exception as node_error:  # noqa: BLE001
+                        raise self._undecodable(node, node_error) from None
+            raise self._undecodable("", e) from None
+
+    def array_names(self) -> list[str]:
+        return [name for name, _ in self._members()]
 
     def done_flags(self) -> np.ndarray:
         """``done`` as (K,) bool; a ``done`` object that fails its checksum counts as not done."""
@@ -312,8 +374,8 @@ class FeatureStore:
     def sample_arrays(self) -> Iterator[tuple[str, zarr.Array]]:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
         n = self.attrs["num_samples"]
-        for name, member in self.group.members(max_depth=None):
-            if isinstance(member, zarr.Array) and name != "done" and member.shape[:1] == (n,):
+        for name, member in self._members():
+            if name not in ("done", DIGESTS) and member.shape[:1] == (n,):
                 if not name.startswith(f"{INDEXES}/"):  # a saved index of N bytes is no sample array
                     yield name, self.array(name)
 
@@ -352,7 +414,7 @@ class FeatureStore:
     def write_keys(self, chunks: list[int], keys: Sequence[str]) -> None:
         """Rewrite the keys of ``chunks`` (about to be recomputed): ``verify --repair`` clears the chunks
         whose keys object was lost or damaged, and the keys are otherwise only written at creation."""
-        if "keys" not in self.group:
+        if not self.has("keys"):
             return
         array, size = self.array("keys"), self.attrs["chunk_size"]
         for k in chunks:
@@ -363,8 +425,9 @@ class FeatureStore:
         """Mark ``chunks`` not done (their objects were lost or damaged): a rerun recomputes exactly those.
         The flags' objects are deleted: an absent ``done`` object reads as False, and the progress bar
         and ``verify`` count the objects present."""
-        done = self.array("done")
-        objects.delete(self.group.store, [self.chunk_key(done, k) for k in chunks])
+        done, rows = self.array("done"), self.digests_array()
+        digest_rows = [self.chunk_key(rows, k) for k in chunks] if rows is not None else []
+        objects.delete(self.group.store, [self.chunk_key(done, k) for k in chunks] + digest_rows)
         if chunks and self.attrs.get("status") == "complete":
             self.update_attrs(status="running")
 
@@ -377,12 +440,39 @@ class FeatureStore:
         labels: np.ndarray,
         valid: np.ndarray,
     ) -> None:
-        """Write one whole chunk of every array, then mark it done: a crash before the mark redoes it."""
+        """Write one whole chunk of every array, record its objects' digests, then mark it done: a crash
+        before the mark redoes it."""
         for layer, values in features.items():
             self.array(f"features/{layer}")[start:stop] = values
         self.array("labels")[start:stop] = labels
         self.array("valid")[start:stop] = valid
+        if (rows := self.digests_array()) is not None:
+            digests = self.object_digests([chunk], rows.attrs["arrays"])[chunk]
+            rows[chunk] = np.array([0 if d is None else d for d in digests], dtype=np.uint32)
         self.array("done")[chunk] = True
+
+    def digests_array(self) -> zarr.Array | None:
+        """``digests`` (format 3), or None for a store written before it (format 2 and older)."""
+        if self._has_digests is None:  # asked once per chunk written: look once
+            self._has_digests = self.has(DIGESTS)
+        return self.array(DIGESTS) if self._has_digests else None
+
+    def object_digests(self, chunks: Sequence[int], names: Sequence[str]) -> dict[int, list[int | None]]:
+        """Per chunk, the digest (the crc32c suffix) of its object in each array ``names``, read now; None
+        for an object absent or too short to hold one. One concurrent batch of 4-byte reads."""
+        keys = [self.chunk_key(self.array(name), k) for k in chunks for name in names]
+        tails = iter(objects.suffixes(self.group.store, keys, DIGEST_BYTES))
+        return {k: [None if (t := next(tails)) is None else int.from_bytes(t, "little") for _ in names] for k in chunks}
+
+    def restore_checksum(self, name: str) -> None:
+        """Put the checksum back last in array ``name``'s codec chain, as ``schema.checked`` builds it (its
+        objects were written with it; the metadata lost it). Written through zarr's own metadata model."""
+        array = self.array(name)
+        meta = array.metadata.to_dict()
+        meta["codecs"] = [*(c for c in meta["codecs"] if c.get("name") != "crc32c"), Crc32cCodec().to_dict()]
+        document = type(array.metadata).from_dict(meta).to_buffer_dict(default_buffer_prototype())[METADATA]
+        objects.write(self.group.store, f"{array.path}/{METADATA}", document.to_bytes())
+        self._arrays.pop(name, None)
 
     def stored_bytes(self) -> int:
         """The bytes under ``features/``: every layer's objects and metadata, and the group's own. (zarr's

@@ -1,9 +1,15 @@
-"""Check a store's chunks: ``python -m extract.verify STORE [--repair]``.
+"""Check a store: ``python -m extract.verify STORE [--repair]``.
 
-Every chunk marked done must have, in every per-sample array (features, labels, valid), an object that
-is present, decodes, and matches its crc32c checksum. ``--repair`` clears ``done`` for the damaged
-chunks (and the store's "complete" status), so that rerunning the job's command recomputes exactly
-those. One summary line; exit status 0 when clean, 1 when damaged, 2 for bad input.
+Every chunk marked done must have, in every per-sample array (features, labels, valid, keys), an
+object that is present, decodes, matches its crc32c checksum, and is the object written for that
+chunk: its checksum equals the one recorded in ``digests`` when the chunk was marked done, so a
+swapped, foreign or stale object is named. A store whose status is "complete" must have every chunk
+of its plan done. The identity attributes must match the digests recorded at creation, the
+fingerprint its identity and ``layers`` the arrays under ``features/``; every array's codecs must end
+with the checksum. ``--repair`` restores what can be proven (the checksum codec; an attribute whose
+candidate value reproduces its recorded digest), then clears ``done`` for the damaged chunks (and the
+"complete" status), so that rerunning the job's command recomputes exactly those. One summary line;
+exit status 0 when clean, 1 when damaged, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -12,31 +18,95 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec
 
 from .chunks import Plan
+from .schema import fingerprint, identity_digests
 from .store import FeatureStore
+
+UNPLACED = "not the object written for this chunk (swapped, copied or stale)"
 
 
 @dataclass
 class Report:
     path: Path
-    checked: int  # done chunks examined
+    num_chunks: int
+    done: int  # chunks marked done
+    complete: bool  # the store's status says so
     damaged: dict[int, list[str]] = field(default_factory=dict)  # chunk -> "array: problem"
+    problems: list[str] = field(default_factory=list)  # the store's metadata
+    placed: bool = True  # False: a store from before digests, whose objects' places cannot be checked
+    restored: list[str] = field(default_factory=list)  # what --repair put back
+    kept: list[str] = field(default_factory=list)  # problems --repair could not undo
+
+    @property
+    def clean(self) -> bool:
+        return not self.damaged and not self.problems
 
     def line(self, repaired: bool) -> str:
-        if not self.damaged:
-            return f"extract.verify: {self.path}: all {self.checked} done chunks are present and match their checksums"
-        shown = "; ".join(f"chunk {k}: {', '.join(problems)}" for k, problems in sorted(self.damaged.items())[:3])
-        more = f"; and {len(self.damaged) - 3} more" if len(self.damaged) > 3 else ""
-        then = (
-            "cleared their done flags: rerun the job's command to recompute them"
-            if repaired
-            else "run with --repair, then rerun the job's command"
+        head = f"extract.verify: {self.path}:"
+        if self.clean:
+            restored = f" restored {', '.join(self.restored)};" if self.restored else ""
+            return f"{head}{restored} {self._clean()}"
+        chunks = [f"chunk {k}: {', '.join(problems)}" for k, problems in sorted(self.damaged.items())[:3]]
+        more = [f"and {len(self.damaged) - 3} more"] if len(self.damaged) > 3 else []
+        what = [f"{len(self.damaged)} of {self.num_chunks} chunks damaged"] if self.damaged else []
+        what = (["its metadata damaged"] if self.problems else []) + what
+        return f"{head} {' and '.join(what)} ({'; '.join(self.problems + chunks + more)}); {self._then(repaired)}"
+
+    def _clean(self) -> str:
+        checked = "match their checksums" + (
+            " and the digests recorded when they were written"
+            if self.placed
+            else " (format 2 recorded no digests: whether each object is in its place cannot be checked)"
         )
-        return f"extract.verify: {self.path}: {len(self.damaged)} of {self.checked} done chunks damaged ({shown}{more}); {then}"
+        if self.complete:
+            return f"all {self.done} done chunks are present and {checked}"
+        return (
+            f"{self.done} of {self.num_chunks} chunks are done, present and {checked}; the job is not finished: "
+            f"rerun its command to compute the other {self.num_chunks - self.done}"
+        )
+
+    def _then(self, repaired: bool) -> str:
+        if not repaired:
+            return "run with --repair, then rerun the job's command"
+        then = [f"restored {', '.join(self.restored)}"] if self.restored else []
+        if self.damaged:
+            then.append("cleared their done flags: rerun the job's command to recompute them")
+        if self.kept:
+            then.append(f"cannot repair {', '.join(self.kept)}: rerun the job's command with --overwrite")
+        return "; ".join(then) or "nothing left to repair: rerun the job's command"
+
+
+def verify(store: FeatureStore) -> Report:
+    """Examine the store's metadata, every done chunk of every per-sample array, and every chunk of
+    the plan against the status. A ``done`` object that itself fails its checksum counts as damage."""
+    plan, attrs = store.plan, store.attrs
+    done = store.done_flags()
+    report = Report(store.path, plan.num_chunks, int(done.sum()), attrs.get("status") == "complete")
+    report.problems = _attribute_problems(store, attrs) + _codec_problems(store, attrs)
+    stored_done = store.stored_chunks("done", range(plan.num_chunks))
+    for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
+        report.damaged.setdefault(k, []).append("done does not decode")
+    chunks = np.flatnonzero(done).tolist()
+    for k, problems in _chunk_problems(store, plan, chunks).items():
+        report.damaged.setdefault(k, []).extend(problems)
+    rows = store.digests_array()
+    report.placed = rows is not None
+    if rows is not None:
+        for k, problems in _placement_problems(store, rows, chunks, report.damaged).items():
+            report.damaged.setdefault(k, []).extend(problems)
+    if report.complete:  # a complete store has every chunk of its plan done
+        recorded = store.stored_chunks(rows.path, range(plan.num_chunks)) if rows is not None else set()
+        for k in np.flatnonzero(~done).tolist():
+            if k not in stored_done:
+                lost = " (its done mark was lost: its digests were recorded)" if k in recorded else ""
+                report.damaged.setdefault(k, []).append(f"not done in a complete store{lost}")
+    return report
 
 
 def _problem(array: zarr.Array, plan: Plan, chunk: int, stored: set[int]) -> str | None:
@@ -49,26 +119,113 @@ def _problem(array: zarr.Array, plan: Plan, chunk: int, stored: set[int]) -> str
     return None
 
 
-def verify(store: FeatureStore) -> Report:
-    """Examine every done chunk of every per-sample array; a ``done`` object that itself fails its
-    checksum counts as damaged too (its chunk will be recomputed)."""
-    plan = store.plan
-    done = store.done_flags()
-    stored_done = store.stored_chunks("done", range(plan.num_chunks))
-    report = Report(store.path, len(stored_done))
-    for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
-        report.damaged.setdefault(k, []).append("done: does not decode")
-    chunks = np.flatnonzero(done).tolist()
+def _chunk_problems(store: FeatureStore, plan: Plan, chunks: list[int]) -> dict[int, list[str]]:
+    """Per done chunk, each array whose object is absent or fails to decode (checksum included)."""
     arrays = list(store.sample_arrays())
     stored = {name: store.stored_chunks(name, chunks) for name, _ in arrays}  # one listing per array
     work = [(name, array, k) for name, array in arrays for k in chunks]
+    found: dict[int, list[str]] = {}
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="extract-verify") as pool:
         problems = pool.map(lambda item: _problem(item[1], plan, item[2], stored[item[0]]), work)
         for (name, _, k), problem in zip(work, problems, strict=True):
             if problem is not None:
-                report.damaged.setdefault(k, []).append(f"{name} {problem}")
-    return report
+                found.setdefault(k, []).append(f"{name} {problem}")
+    return found
 
 
-def repair(store: FeatureStore, report: Report) -> None:
-    store.clear_done(sorted(report.damaged))
+def _placement_problems(
+    store: FeatureStore, rows: zarr.Array, chunks: list[int], damaged: dict[int, list[str]]
+) -> dict[int, list[str]]:
+    """Per done chunk, each array whose object's checksum is not the one recorded for this chunk.
+    Objects already found missing or undecodable are not named twice."""
+    present = set(dict(store.sample_arrays()))
+    names = [name for name in rows.attrs.get("arrays", []) if name in present]
+    columns = [list(rows.attrs["arrays"]).index(name) for name in names]
+    actual = store.object_digests(chunks, names)
+    found: dict[int, list[str]] = {}
+    for k in chunks:
+        try:
+            recorded = rows[k]
+        except Exception:  # noqa: BLE001 - a digests row failing its own checksum
+            found[k] = ["digests does not decode"]
+            continue
+        if not recorded.any():
+            found[k] = ["digests missing (the chunk's objects cannot be checked)"]
+            continue
+        for name, column, digest in zip(names, columns, actual[k], strict=True):
+            if digest is not None and digest != recorded[column] and not _named(damaged.get(k, []), name):
+                found.setdefault(k, []).append(f"{name} is {UNPLACED}")
+    return found
+
+
+def _named(problems: list[str], name: str) -> bool:
+    return any(problem.startswith(f"{name} ") for problem in problems)
+
+
+def _attribute_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]:
+    """The identity attributes against their digests, the fingerprint against the identity, and
+    ``layers`` against the arrays under ``features/``; each problem names its attribute."""
+    edited: dict[str, str] = {}
+    recorded = attrs.get("identity_sha256")
+    if recorded is None and attrs.get("format_version", 0) >= 3:
+        edited["identity_sha256"] = "is missing (the identity attributes cannot be checked)"
+    elif recorded is not None:
+        now = identity_digests(attrs, store.array_names())
+        for name in (name for name in now if now[name] != recorded.get(name)):
+            edited[name] = "differs from the digest recorded at the store's creation (it was edited)"
+    if "identity" in attrs and attrs.get("fingerprint") != fingerprint(attrs["identity"]):
+        edited["fingerprint"] = "does not match the identity (the attribute was edited)"
+    layers = sorted(name.removeprefix("features/") for name, _ in store.sample_arrays() if name.startswith("features/"))
+    if sorted(attrs.get("layers") or []) != layers:
+        edited["layers"] = f"does not list the arrays under features/ ({', '.join(layers)}): the attribute was edited"
+    if "arrays" in edited:
+        edited["arrays"] = "(the store's list of arrays) differs from the one at its creation"
+    return [f"{name} {detail}" for name, detail in edited.items()]
+
+
+def _codec_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]:
+    """Arrays whose codec chain lost its checksum: their objects would be read, and rewritten, unchecked."""
+    if attrs.get("format_version", 0) < 2:  # format 1 wrote no checksums
+        return []
+    return [f"{name} lacks its crc32c checksum in its metadata" for name in _unchecked(store)]
+
+
+def _unchecked(store: FeatureStore) -> list[str]:
+    arrays = [*dict(store.sample_arrays()), "done", *([] if store.digests_array() is None else ["digests"])]
+    return [name for name in arrays if not isinstance((store.array(name).compressors or (None,))[-1], Crc32cCodec)]
+
+
+def repair(store: FeatureStore, report: Report) -> Report:
+    """Restore what can be proven right, check again, and clear ``done`` for the chunks still damaged
+    (and a "complete" status); returns the report of that second check, naming what was restored."""
+    restored = []
+    if any("crc32c" in problem for problem in report.problems):
+        for name in _unchecked(store):
+            store.restore_checksum(name)
+            restored.append(f"crc32c in {name}'s metadata")
+    restored += _restore_attributes(store)
+    again = verify(FeatureStore.open(store.path, mode="r+")) if restored else report
+    store.clear_done(sorted(again.damaged))
+    again.restored, again.kept = restored, [problem.partition(" ")[0] for problem in again.problems]
+    return again
+
+
+def _restore_attributes(store: FeatureStore) -> list[str]:
+    """Put back an edited ``fingerprint`` or ``layers`` where a candidate value (the identity's
+    fingerprint; the layers in their recorded order) reproduces the digest recorded at creation."""
+    attrs, restored = store.attrs, []
+    recorded = attrs.get("identity_sha256") or {}
+    candidates = {
+        "fingerprint": [fingerprint(attrs["identity"])] if "identity" in attrs else [],
+        "layers": [list(attrs.get("feature_shapes") or {}), list((attrs.get("identity") or {}).get("layers") or [])],
+    }
+    arrays = store.array_names()
+    for name, values in candidates.items():
+        for value in values:
+            if value != attrs.get(name) and identity_digests({**attrs, name: value}, arrays)[name] == recorded.get(
+                name
+            ):
+                store.update_attrs(**{name: value})
+                restored.append(f"the attribute {name}")
+                break
+    return restored
