@@ -108,10 +108,12 @@ def _log_store_writes(log: Path, die_at: int | None = None):
     return lambda: setattr(LocalStore, "set", logged)
 
 
-def _assert_holds_only_what_was_written(out: Path, writes: list[str]) -> None:
-    """After a kill: the store is in place only once its skeleton was renamed there; a chunk marked
-    done had its done flag among ``writes`` (the writes before the kill) and holds real features."""
-    assert out.exists() == any(w.startswith("store:") for w in writes)
+def _assert_holds_only_what_was_written(out: Path, logged: list[str]) -> None:
+    """After a kill at the last write ``logged`` (never made): the store is in place once its skeleton
+    was renamed there, which is before the first write into the store (and after the last into the
+    scratch skeleton); a chunk marked done had its done flag among the writes made, and holds real features."""
+    writes = logged[:-1]
+    assert out.exists() == logged[-1].startswith("store:")
     if not out.exists():
         return
     group = zarr.open_group(out, mode="r")
@@ -150,7 +152,7 @@ def test_kill_storm_one_process(tmp_path, reference):
         assert fork_run([*TINY_JOB, "--out", out], before=_log_store_writes(log, die_at=point)) == -signal.SIGKILL
         logged = log.read_text().splitlines()
         assert len(logged) == point + 1, f"the kill at {name} landed at write {len(logged) - 1}"
-        _assert_holds_only_what_was_written(out, logged[:-1])  # the last one logged was never written
+        _assert_holds_only_what_was_written(out, logged)
         _rerun_gives_the_reference(tmp_path, out, reference, name)
     for name, before in TARGETED.items():
         shutil.rmtree(out, ignore_errors=True)
