@@ -6,6 +6,17 @@ same), so that callers catch types, not message strings."""
 class ExtractError(Exception):
     """Bad input or environment: the message names the culprit and the fix."""
 
+    exit_code = 2  # the command's exit status
+    quiet = False  # another process of the job prints the message (one line for the job, not one a rank)
+    alone = False  # this process met it alone (a rank's own chunk), so it speaks even if others are quiet
+
+
+class ProcessGroupError(ExtractError):
+    """The processes of a launched job could not connect to each other; exit status 1, since it is not
+    the arguments but the machine (another job, or leftover processes, on the same port) that is wrong."""
+
+    exit_code = 1
+
 
 class LayerNotFoundError(ExtractError, KeyError):
     """A layer name or glob that matches no module of the model, or no layer of a store."""
