@@ -1,12 +1,21 @@
 """The errors ``extract`` raises: one base the command lines turn into one line and exit status 2 (its
-``exit_status``), and typed subclasses that also derive from the builtin a Python user expects (zarr's ``errors.py`` does the
-same), so that callers catch types, not message strings."""
+``exit_code``), and typed subclasses that also derive from the builtin a Python user expects (zarr's
+``errors.py`` does the same), so that callers catch types, not message strings."""
 
 
 class ExtractError(Exception):
     """Bad input or environment: the message names the culprit and the fix."""
 
-    exit_status = 2
+    exit_code = 2  # the command's exit status
+    quiet = False  # another process of the job prints the message (one line for the job, not one a rank)
+    alone = False  # this process met it alone (a rank's own chunk), so it speaks even if others are quiet
+
+
+class ProcessGroupError(ExtractError):
+    """The processes of a launched job could not connect to each other; exit status 1, since it is not
+    the arguments but the machine (another job, or leftover processes, on the same port) that is wrong."""
+
+    exit_code = 1
 
 
 class LayerNotFoundError(ExtractError, KeyError):
@@ -32,7 +41,7 @@ class LockLostError(ExtractError):
     """This job lost the store's lock (it was paused or stalled past the stale age and another job took
     the store, or the lock was removed): it stops and writes nothing more. Exit status 1: not bad input."""
 
-    exit_status = 1
+    exit_code = 1
 
 
 class StoreDamagedError(ExtractError):

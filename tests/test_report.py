@@ -70,12 +70,16 @@ def test_report_embeds_every_figure_at_its_size(folder_store, png_tree, tmp_path
         assert image.format == "PNG" and image.size == (width, height) == size, title
         assert len(image.getcolors(2**16) or range(2**16)) > 8, f"{title} is blank"
     # the probe table lists every layer with both methods
-    head = "<th>layer</th><th>k-NN (k 20, T 0.07) [95% interval]</th><th>linear [95% interval]</th><th>test samples</th>"
+    head = (
+        "<th>layer</th><th>k-NN (k 20, T 0.07) [95% interval]</th><th>linear [95% interval]</th><th>test samples</th>"
+    )
     assert head in html and html.count("<tr><td>layer") == 3
     assert re.search(r"<td>layer2</td><td>\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]</td>.*?<td>3</td></tr>", html)
     assert "probe accuracies are measured on 3 test samples" in html  # 13 samples, 20% held out
     # figures span the page, and their captions say how to read them rather than repeating the title
-    assert "figure img{width:100%;height:auto}" in html and f"max-width:{figures.PAGE_WIDTH * figures.DPI:.0f}px" in html
+    assert (
+        "figure img{width:100%;height:auto}" in html and f"max-width:{figures.PAGE_WIDTH * figures.DPI:.0f}px" in html
+    )
     assert all(width == figures.PAGE_WIDTH * figures.DPI for _, _, width, _ in found)
     captions = re.findall(r"<figcaption>([^<]*)</figcaption>", html)
     assert len(captions) == 4 and not any(title in caption for title in titles for caption in captions)
@@ -134,7 +138,9 @@ def test_report_uses_probe_json_and_names_the_extra_without_matplotlib(folder_st
     capsys.readouterr()
     # the library takes the same settings as a typed config
     report = build_report(folder_store, ReportConfig(layers=["layer3", "layer4"], probe_json=[accuracies], queries=2))
-    assert report.table[0] == ["layer", "knn [95% interval]", "test samples"] and [row[0] for row in report.table[1:]] == ["layer3", "layer4"]
+    assert report.table[0] == ["layer", "knn [95% interval]", "test samples"] and [
+        row[0] for row in report.table[1:]
+    ] == ["layer3", "layer4"]
     assert report.figures[2].title == "PCA of layer4 (13 samples)"
     grid = report.figures[3]  # 2 queries, each with the default 6 neighbours
     assert (grid.width, grid.height) == pixels(figures.neighbours_size(2, 7))

@@ -37,8 +37,8 @@ def say(prog: str, text: str) -> None:
 def command(
     prog: str, failures: Mapping[type[BaseException], Failure] | None = None
 ) -> Callable[[Callable[P, int]], Callable[P, int]]:
-    """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` and its exit status
-    (2, bad input; 1 for a ``LockLostError``);
+    """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` (unless another
+    process says it) and its exit status, 2 unless the type says otherwise (1 for a ``LockLostError``);
     an exception of a type in ``failures`` goes to the first handler (in order) whose type it is;
     anything else propagates with its traceback, since it is a bug rather than bad input."""
     failures = dict(failures or {})
@@ -49,8 +49,9 @@ def command(
             try:
                 return main(*args, **kwargs)
             except ExtractError as e:  # first: a typed error may also be an OSError or a KeyError
-                say(prog, f"error: {e}")
-                return e.exit_status
+                if not e.quiet:
+                    say(prog, f"error: {e}")
+                return e.exit_code
             except tuple(failures) as e:
                 handle = next(handle for kind, handle in failures.items() if isinstance(e, kind))
                 return handle(prog, e)

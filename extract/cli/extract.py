@@ -15,6 +15,7 @@ from ..capture.pooling import POOL_CHOICES
 from ..data.registry import data_kinds
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
+from ..job.launcher import is_first_rank, speaks_for_machine
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
 from ..store.schema import COMPRESSORS
@@ -197,9 +198,16 @@ EXTRACTION_FAILURES: dict[type[BaseException], Failure] = {
 def main(argv: Sequence[str] | None = None) -> int:
     from ..job.runner import print_layers, run
 
-    spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)
-    if only_list:
-        print_layers(spec)
-    else:
-        run(spec)
+    try:
+        spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)
+        if only_list:
+            print_layers(spec)
+        else:
+            run(spec)
+    except ExtractError as e:  # every rank met it: one line for the machine, not one a rank
+        e.quiet = e.quiet or not (e.alone or speaks_for_machine())
+        raise
+    except Interrupted as e:  # rank 0 gives the job's count; before the store is open the others know none
+        e.quiet = e.quiet or not is_first_rank()
+        raise
     return 0

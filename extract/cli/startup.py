@@ -2,7 +2,8 @@
 
 Python's own handler would raise ``KeyboardInterrupt`` inside whatever module is being imported: a
 traceback, or a half-imported numpy that fails later with a ``RecursionError``. This module imports
-only the standard library, so the handler is in place before torch, numpy or zarr start loading.
+only the standard library, so the handler is in place before torch, numpy or zarr start loading; and
+under a launcher it first makes sure the rank dies with its launcher (``extract.job.launcher``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import signal
 import threading
 from types import FrameType
 
+from ..job.launcher import guard_launcher
+
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 
 
 def _interrupted(signum: int, frame: FrameType | None) -> None:
     # os.write and os._exit: the signal may land inside a print or an import, where neither sys.stderr
     # nor the interpreter's shutdown can be trusted; nothing is written before the job's own handlers.
-    os.write(2, b"extract: interrupted; rerun the same command to resume\n")
+    # A Ctrl-C reaches every rank (the launcher forwards it): rank 0 speaks for the job.
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"extract: interrupted; rerun the same command to resume\n")
     os._exit(INTERRUPTED)
 
 
@@ -30,6 +35,7 @@ def exit_on_interrupt() -> None:
 
 def main() -> int:
     """The ``extract`` console script and ``python -m extract``."""
+    guard_launcher()
     exit_on_interrupt()
     from .extract import main as extract_main
 

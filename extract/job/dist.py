@@ -9,7 +9,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
-from ..errors import ExtractError
+from ..errors import ExtractError, ProcessGroupError
 
 
 def process_state(timeout: float = 1800.0) -> PartialState:
@@ -20,7 +20,12 @@ def process_state(timeout: float = 1800.0) -> PartialState:
     ``timeout`` bounds every barrier, so a rank that died cannot leave the others waiting forever.
     """
     group = InitProcessGroupKwargs(timeout=timedelta(seconds=timeout)).to_kwargs()
-    state = PartialState(cpu=not torch.cuda.is_available(), **group)
+    try:
+        state = PartialState(cpu=not torch.cuda.is_available(), **group)
+    except (RuntimeError, OSError) as e:  # torch's DistError (store, network, gloo) is a RuntimeError
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            raise
+        raise _not_connected(e) from None
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and state.num_processes != launched:
         raise ExtractError(
@@ -28,3 +33,15 @@ def process_state(timeout: float = 1800.0) -> PartialState:
             "on CPU launch with `accelerate launch --multi_gpu --num_processes N`"
         )
     return state
+
+
+def _not_connected(error: BaseException) -> ProcessGroupError:
+    """A reset, refused or timed-out rendezvous: most often another job, or processes left over from one,
+    on the same port, which then meet (or refuse) this job's ranks."""
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    port = os.environ.get("MASTER_PORT", "29500")
+    return ProcessGroupError(
+        f"the processes of this job could not connect to each other ({cause[:200]}); another job, or processes "
+        f"left over from one, may be using MASTER_PORT {port}: stop them, or launch with a free "
+        "--main_process_port (torchrun: --master_port)"
+    )

@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM/SIGINT end the run cleanly at any moment, and ranks stop when their launcher dies.
+"""Preemption: SIGTERM/SIGINT end the run cleanly at any moment (a launcher's death is one: ``launcher``).
 
 Handlers are installed before the slow start-up (model, data, store): a signal then stops the job at
 once. Inside the loop a signal only asks it to stop after the current batch, so that what is computed
@@ -18,8 +18,9 @@ import threading
 import time
 from types import FrameType
 
+from .launcher import tell_launcher
+
 HANDLED = (signal.SIGTERM, signal.SIGINT)
-ORPHAN_GRACE = 5.0  # seconds an orphaned rank gets to stop cleanly before it exits regardless
 
 
 class Interrupted(BaseException):
@@ -62,25 +63,35 @@ class PeerStopped(Interrupted):
 class StopRequests:
     """While active, SIGTERM/SIGINT raise ``Interrupted`` at once until ``defer()``; after it the first
     only sets ``signum`` (the loop stops at the next batch) and a second interrupts at once, except
-    a SIGTERM repeating a SIGTERM within ``ECHO_SECONDS``: SLURM signals every process of a step and
-    the launcher forwards the same signal to its ranks, so one preemption arrives twice.
-    Handlers are restored on exit; inactive off the main thread."""
+    a SIGTERM within ``ECHO_SECONDS`` of the first request: SLURM signals every process of a step and
+    the launcher forwards the signal to its ranks (and closes them with SIGTERM after any signal), so
+    one preemption arrives more than once. Once ``Interrupted`` is raised, later signals are ignored:
+    they would cut short the closing of the run's record and replace the job's count with none.
+    The first request also goes to the launcher (``tell_launcher``), so that a signal to one rank
+    stops the whole job. Handlers are restored on exit; inactive off the main thread."""
 
     ECHO_SECONDS = 2.0
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._deferring = False
-        self._first_at = 0.0
+        self._first_at: float | None = None
+        self._stopping = False
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._deferring and self.signum is None:
-            self.signum, self._first_at = signum, time.monotonic()
+        if self._stopping:
             return
-        echo = signum == self.signum == signal.SIGTERM and time.monotonic() - self._first_at < self.ECHO_SECONDS
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+            tell_launcher(signum)
+        if self._deferring and self.signum is None:
+            self.signum = signum
+            return
+        echo = signum == signal.SIGTERM and time.monotonic() - self._first_at < self.ECHO_SECONDS
         if self._deferring and echo:
             return
+        self._stopping = True
         raise Interrupted(self.signum or signum, 0)
 
     def defer(self) -> None:
@@ -125,22 +136,3 @@ class LoaderWorkerSignals:
     def release(self) -> None:
         """The loop is over: from now on a SIGTERM ends the workers."""
         self._released.value = True
-
-
-def watch_parent() -> None:
-    """Under torch elastic (``accelerate launch``, ``torchrun``) each rank runs in its own session, so a
-    ``kill -9`` of the launcher's process group does not reach it. Poll the parent pid: once the launcher
-    is gone, SIGTERM ourselves (a clean stop), and exit after ``ORPHAN_GRACE`` seconds if that is stuck
-    (in a barrier with ranks that are gone). Not for a plain process: ``nohup`` may orphan it on purpose."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(ORPHAN_GRACE)
-        os._exit(128 + signal.SIGTERM)
-
-    threading.Thread(target=watch, name="extract-parent-watch", daemon=True).start()

@@ -35,7 +35,8 @@ from ..store.schema import JobParts, codecs
 from ..store.store import FeatureStore, saved_index
 from ..store.writer import ChunkWriter
 from .dist import process_state
-from .interrupt import Interrupted, LoaderWorkerSignals, PeerStopped, StopRequests, watch_parent
+from .interrupt import Interrupted, LoaderWorkerSignals, PeerStopped, StopRequests
+from .launcher import watch_launcher
 from .lifecycle import StoreLife
 from .memory import keep_freed_memory
 from .plan import ChunkBatchSampler, assign, default_chunk_size
@@ -362,7 +363,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     spec.validate()
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
-        watch_parent()
+        watch_launcher()
         state = process_state(spec.timeout)
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
@@ -461,6 +462,9 @@ def _extract(
     started = time.time()
     try:
         _loop(job, store, share, edit, stop, progress.advance, held)
+    except ExtractError as e:  # met in this rank's own chunks: only this rank can say it
+        e.alone = True
+        raise
     finally:
         progress.close()
     try:
