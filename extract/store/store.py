@@ -209,6 +209,7 @@ class FeatureStore:
                 os.rename(path, trash)
             os.rename(scratch, path)  # replaces an absent path or an empty directory
         except OSError as e:
+            objects.settle()  # zarr's other writes of the skeleton, still queued: none may land after the removal
             shutil.rmtree(scratch, ignore_errors=True)
             raise ExtractError(
                 f"--out {path}: cannot create the store ({e.strerror or e}); free space or choose another --out"
