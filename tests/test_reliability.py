@@ -447,16 +447,21 @@ def _meet_at_the_lock(ready: int, go: int):
     return lambda: setattr(extract.store.lock, "_create", create)
 
 
-@pytest.mark.parametrize("second", ["same job", "other seed"])
+@pytest.mark.parametrize("second", ["same job", "other seed", "through a link"])
 def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     out = tmp_path / "race.zarr"
     longer = [*TINY_JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
-    jobs = {"first": longer, "second": [*longer, "--seed", "1"] if second == "other seed" else longer}
+    jobs = {"first": [*longer, "--out", out], "second": [*longer, "--out", out]}
+    if second == "other seed":
+        jobs["second"].extend(["--seed", "1"])
+    if second == "through a link":  # one store by two names: one lock, race.zarr.lock
+        (tmp_path / "link.zarr").symlink_to(out)
+        jobs["second"] = [*longer, "--out", tmp_path / "link.zarr"]
     ready_read, ready = os.pipe()
     go, go_write = os.pipe()
     try:
         pids = {
-            name: fork_start([*args, "--out", out], _meet_at_the_lock(ready, go), stderr=tmp_path / f"{name}.err")
+            name: fork_start(args, _meet_at_the_lock(ready, go), stderr=tmp_path / f"{name}.err")
             for name, args in jobs.items()
         }
         arrived = b""
@@ -475,8 +480,11 @@ def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     line = one_line_error(err)
     assert code == 2 and "being written by another job" in line and f"pid {pids[winners[0]]}" in line
     assert socket.gethostname() in line
+    if second == "through a link":
+        assert (tmp_path / "link.zarr").is_symlink()
+        assert loser == "first" or f"link.zarr (resolves to {out}; the lock is {lock_path(out)})" in line
     expected = tmp_path / "expected.zarr"
-    assert fork_run([*jobs[winners[0]], "--out", expected]) == 0
+    assert fork_run([*jobs[winners[0]][:-2], "--out", expected]) == 0
     group, clean = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
     assert group.attrs["fingerprint"] == clean.attrs["fingerprint"] and group.attrs["status"] == "complete"
     for name in ARRAYS:

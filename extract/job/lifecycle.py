@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, rebuilt
-from ..store.lock import LockUnavailable, StoreLock
-from ..store.store import FeatureStore, check_out_path, check_writable, sweep_scratch
+from ..errors import ExtractError, StoreBusyError, rebuilt
+from ..store.lock import LockUnavailable, StoreLock, lock_path
+from ..store.store import FeatureStore, check_out_path, check_writable, real_path, sweep_scratch
 from .interrupt import Interrupted
 
 Log = Callable[[str], None]
@@ -30,10 +30,11 @@ T = TypeVar("T")
 
 
 class StoreLife:
-    """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block."""
+    """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block.
+    ``life.out`` is the store's real path (``out`` with its links resolved): create and open it there."""
 
     def __init__(self, out: Path, state: PartialState, log: Log) -> None:
-        self.out, self.state, self.log = out, state, log
+        self.given, self.out, self.state, self.log = out, real_path(out), state, log
         self.main = state.is_main_process
         self.lock: StoreLock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
@@ -50,7 +51,8 @@ class StoreLife:
             try:
                 outcome = (step(), None)
             except ExtractError as e:
-                failure, outcome = e, (None, (type(e), str(e)))
+                failure = self._named(e)
+                outcome = (None, (type(failure), str(failure)))
         if self.state.num_processes > 1:  # the type travels too: every rank raises what rank 0 raised
             box = [outcome]
             broadcast_object_list(box, from_process=0)
@@ -59,6 +61,14 @@ class StoreLife:
         if error is not None:
             raise failure or rebuilt(*error)
         return value  # type: ignore[return-value]
+
+    def _named(self, error: ExtractError) -> ExtractError:
+        """``error`` in the user's words where ``--out`` is a link: the path given, and the real one."""
+        if self.given == self.out:
+            return error
+        locked = f"; the lock is {lock_path(self.out)}" if isinstance(error, StoreBusyError) else ""
+        told = str(error).replace(f"--out {self.out}", f"--out {self.given} (resolves to {self.out}{locked})", 1)
+        return rebuilt(type(error), told)
 
     # claim -----------------------------------------------------------------------------------------
 

@@ -368,7 +368,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
             if action == "complete":
                 return _already_complete(job, log)
             _announce(job, log)
-            store = life.open(action, lambda: _create(job))
+            store = life.open(action, lambda: _create(job, life.out))
             pending, shares = _share(job, life, store, resume=action == "resume", log=log)
             summary = _extract(job, store, pending, shares[state.process_index], edit, stop)
             life.finish(summary.record())
@@ -393,10 +393,10 @@ def _announce(job: _Job, log: Log) -> None:
         log(note)
 
 
-def _create(job: _Job) -> FeatureStore:
+def _create(job: _Job, out: Path) -> FeatureStore:
     plan, spec = job.plan, job.spec
     return FeatureStore.create(
-        Path(spec.out), shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
+        out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs=job.attrs,
         layouts=job.model.layers.stored_layouts(), keys=job.data.dataset.keys(),
         indexes=saved_indexes(job.data.dataset),

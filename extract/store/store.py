@@ -53,6 +53,13 @@ def _store_attrs(path: Path) -> dict[str, Any] | None:
     return attrs if attrs.get("format") == FORMAT else None
 
 
+def real_path(path: Path) -> Path:
+    """``path`` with its symbolic links resolved: a store reached through a link and by its own path is
+    one store, with one lock. Where no link is involved, ``path`` as given, so messages keep its words."""
+    real = path.resolve()
+    return path if real == Path(os.path.abspath(path)) else real
+
+
 def check_out_path(path: Path) -> dict[str, Any] | None:
     """Refuse an ``--out`` that cannot become a store, before any compute.
 
