@@ -403,6 +403,18 @@ BAD_TOML = [
 ]
 
 
+@pytest.mark.parametrize("inside", ["x.zarr", "features/x.zarr", "features/new/x.zarr"])
+def test_out_inside_another_store_is_refused(tmp_path, reference, cli, inside):
+    store = tmp_path / "ref.zarr"
+    shutil.copytree(reference, store)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    code, _, err = cli(*TINY_JOB, "--out", store / inside)
+    line = one_line_error(err)
+    assert code == 2 and f"is inside the extract store {store};" in line, err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before and os.listdir(tmp_path) == ["ref.zarr"]
+    assert_same_store(store, reference)
+
+
 @pytest.mark.parametrize("line, message", BAD_TOML)
 def test_bad_job_file_types_are_refused_before_anything_exists(tmp_path, cli, line, message):
     job = tmp_path / "job.toml"

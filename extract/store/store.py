@@ -69,6 +69,9 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
     """
     if path.is_file():
         raise ExtractError(f"--out {path} is a regular file, not a store; choose another --out")
+    for above in Path(os.path.abspath(path)).parents:  # a store inside a store would become its member
+        if _store_attrs(above) is not None:
+            raise ExtractError(f"--out {path} is inside the extract store {above}; choose a path outside it")
     if path.is_dir():
         attrs = _store_attrs(path)
         if attrs is None and any(path.iterdir()):
