@@ -388,6 +388,53 @@ def test_edited_metadata_are_refused_on_open(tmp_path, reference, cli, edit, mes
     assert code == 2 and message in one_line_error(err)
 
 
+@pytest.mark.parametrize("inside", ["x.zarr", "features/x.zarr", "features/new/x.zarr"])
+def test_out_inside_another_store_is_refused(tmp_path, reference, cli, inside):
+    store = tmp_path / "ref.zarr"
+    shutil.copytree(reference, store)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    code, _, err = cli(*TINY_JOB, "--out", store / inside)
+    line = one_line_error(err)
+    assert code == 2 and f"is inside the extract store {store};" in line, err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before and os.listdir(tmp_path) == ["ref.zarr"]
+    assert_same_store(store, reference)
+
+
+def _torn_root(tmp_path: Path, reference: Path, recognisable: bool) -> Path:
+    """A copy of the reference whose root zarr.json is cut half-way, recognisable as an extract store
+    by its arrays, or not at all (no ``done``; a stale lock named for it is no proof)."""
+    out = tmp_path / "torn.zarr"
+    shutil.copytree(reference, out)
+    if not recognisable:
+        shutil.rmtree(out / "done")
+        lock_path(out).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "2026-01-01T00:00:00"}))
+        os.utime(lock_path(out), (time.time() - 600, time.time() - 600))
+    meta = (out / "zarr.json").read_bytes()
+    (out / "zarr.json").write_bytes(meta[: len(meta) // 2])
+    return out
+
+
+def test_a_torn_root_is_refused_then_replaced_with_overwrite(tmp_path, reference, cli):
+    out = _torn_root(tmp_path, reference, recognisable=True)
+    torn = (out / "zarr.json").read_bytes()
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    line = one_line_error(err)
+    assert code == 2 and f"root metadata {out / 'zarr.json'} are damaged" in line and "--overwrite" in line, err
+    assert (out / "zarr.json").read_bytes() == torn and (out / "features").is_dir()
+    code, _, err = cli(*TINY_JOB, "--out", out, "--overwrite")
+    assert code == 0, err
+    assert_same_store(out, reference)
+    assert sorted(os.listdir(tmp_path)) == ["torn.zarr"]  # the old store moved aside, then deleted
+
+
+def test_a_torn_zarr_json_in_a_directory_that_is_no_store_is_never_replaced(tmp_path, reference, cli):
+    out = _torn_root(tmp_path, reference, recognisable=False)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    code, _, err = cli(*TINY_JOB, "--out", out, "--overwrite")
+    assert code == 2 and "is a directory that is not an extract store" in one_line_error(err)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
 # ------------------------------------------------------------------------------------ job files
 
 
@@ -401,18 +448,6 @@ BAD_TOML = [
     ("timeout = true", "'timeout' = True must be a number"),
     ('seed = "0"', "'seed' = '0' must be an integer"),
 ]
-
-
-@pytest.mark.parametrize("inside", ["x.zarr", "features/x.zarr", "features/new/x.zarr"])
-def test_out_inside_another_store_is_refused(tmp_path, reference, cli, inside):
-    store = tmp_path / "ref.zarr"
-    shutil.copytree(reference, store)
-    before = sorted(p.relative_to(store) for p in store.rglob("*"))
-    code, _, err = cli(*TINY_JOB, "--out", store / inside)
-    line = one_line_error(err)
-    assert code == 2 and f"is inside the extract store {store};" in line, err
-    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before and os.listdir(tmp_path) == ["ref.zarr"]
-    assert_same_store(store, reference)
 
 
 @pytest.mark.parametrize("line, message", BAD_TOML)

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, StoreBusyError, rebuilt
+from ..errors import ExtractError, StoreBusyError, StoreDamagedError, rebuilt
 from ..store.lock import LockUnavailable, StoreLock, lock_path
-from ..store.store import FeatureStore, check_out_path, check_writable, real_path, sweep_scratch
+from ..store.store import DAMAGED, FeatureStore, check_out_path, check_writable, real_path, sweep_scratch
 from .interrupt import Interrupted
 
 Log = Callable[[str], None]
@@ -109,6 +109,11 @@ class StoreLife:
 
     def _decide(self, identity: dict[str, Any], fingerprint: str, overwrite: bool) -> str:
         existing = self.existing
+        if existing is not None and DAMAGED in existing and not overwrite:
+            raise StoreDamagedError(
+                f"--out {self.out}: the store's root metadata {self.out / 'zarr.json'} are damaged "
+                f"({existing[DAMAGED]}); pass --overwrite to replace the store, or choose another --out"
+            )
         if existing is None or overwrite:
             action = "create"
         elif existing.get("fingerprint") == fingerprint:
