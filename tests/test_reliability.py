@@ -3,6 +3,7 @@ signals. Most runs are forked from this process (torch is imported once), so a S
 of a second; the multi-process ones use ``accelerate launch``."""
 
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -471,6 +472,31 @@ def test_overwrite_no_in_a_job_file_keeps_the_store(tmp_path, reference, cli):
     assert code == 2 and "'overwrite' = 'no' must be a boolean" in one_line_error(err)
     assert (out / "zarr.json").read_text() == before
     assert_same_store(out, reference)
+
+
+def test_verify_of_a_store_being_written_is_refused_naming_the_job(tmp_path):
+    args = [*PACED, "--data", "synthetic:320", "--chunk-size", "16", "--batch-size", "16"]
+    out, link = tmp_path / "live.zarr", tmp_path / "link.zarr"
+    link.symlink_to(out)
+    job = fork_start([*args, "--out", out], lambda: os.environ.update(TINY_PACE="0.1"), stderr=tmp_path / "err")
+    try:
+        deadline = time.time() + EXIT_TIMEOUT
+        while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+            assert time.time() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.02)
+        for store, flags in [(out, []), (link, []), (out, ["--repair"])]:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                assert verify_main([str(store), *flags]) == 2
+            (line,) = err.getvalue().splitlines()
+            assert "being written by another job" in line and f"pid {job}," in line, line
+    finally:
+        assert fork_wait(job) == 0, (tmp_path / "err").read_text()
+    assert fork_run([*args, "--out", tmp_path / "expected.zarr"]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert verify_main([str(out)]) == 0, said.getvalue()
+    got, expected = (zarr.open_group(p, mode="r") for p in (out, tmp_path / "expected.zarr"))
+    for name in ("features/conv", "labels", "valid", "keys"):
+        np.testing.assert_array_equal(got[name][:], expected[name][:], err_msg=name)
 
 
 # --------------------------------------------------------------------------------- one job per store
