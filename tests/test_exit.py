@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
          "--dtype", "float32"]  # fmt: skip
@@ -69,6 +69,37 @@ def test_full_disk_with_loader_workers_exits_instead_of_hanging(tmp_path, worker
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and "No space left on device" in lines[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+# The disk fills while the skeleton is built: the 21st object zarr writes fails, as on a full filesystem,
+# while zarr's other writes of the same array are still queued on its event loop.
+FULL_DISK_AT_CREATION = """
+import errno, itertools, sys
+import zarr.storage._local as local
+
+real_put, calls = local._put, itertools.count()
+
+def put(path, value, exclusive=False):
+    if next(calls) >= 20:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real_put(path, value, exclusive=exclusive)
+
+local._put = put
+from extract.cli.extract import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_full_disk_at_creation_is_exactly_one_line_and_leaves_nothing(tmp_path):
+    out = tmp_path / "full.zarr"
+    result = run_python(
+        FULL_DISK_AT_CREATION, "--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32",
+        "--num-workers", "0", "--data", "synthetic:400", "--chunk-size", "3", "--out", out, timeout=240,
+    )  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "NOTE" not in line]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"extract: error: --out {out}: cannot create the store (No space left on device)")
+    assert os.listdir(tmp_path) == []  # no write of the failed creation lands after its scratch is removed
 
 
 def _has_loaded(pid: int, library: str) -> bool:

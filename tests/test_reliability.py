@@ -3,6 +3,7 @@ signals. Most runs are forked from this process (torch is imported once), so a S
 of a second; the multi-process ones use ``accelerate launch``."""
 
 import contextlib
+import io
 import itertools
 import json
 import os
@@ -390,6 +391,53 @@ def test_edited_metadata_are_refused_on_open(tmp_path, reference, cli, edit, mes
     assert code == 2 and message in one_line_error(err)
 
 
+@pytest.mark.parametrize("inside", ["x.zarr", "features/x.zarr", "features/new/x.zarr"])
+def test_out_inside_another_store_is_refused(tmp_path, reference, cli, inside):
+    store = tmp_path / "ref.zarr"
+    shutil.copytree(reference, store)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    code, _, err = cli(*TINY_JOB, "--out", store / inside)
+    line = one_line_error(err)
+    assert code == 2 and f"is inside the extract store {store};" in line, err
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before and os.listdir(tmp_path) == ["ref.zarr"]
+    assert_same_store(store, reference)
+
+
+def _torn_root(tmp_path: Path, reference: Path, recognisable: bool) -> Path:
+    """A copy of the reference whose root zarr.json is cut half-way, recognisable as an extract store
+    by its arrays, or not at all (no ``done``; a stale lock named for it is no proof)."""
+    out = tmp_path / "torn.zarr"
+    shutil.copytree(reference, out)
+    if not recognisable:
+        shutil.rmtree(out / "done")
+        lock_path(out).write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "2026-01-01T00:00:00"}))
+        os.utime(lock_path(out), (time.time() - 600, time.time() - 600))
+    meta = (out / "zarr.json").read_bytes()
+    (out / "zarr.json").write_bytes(meta[: len(meta) // 2])
+    return out
+
+
+def test_a_torn_root_is_refused_then_replaced_with_overwrite(tmp_path, reference, cli):
+    out = _torn_root(tmp_path, reference, recognisable=True)
+    torn = (out / "zarr.json").read_bytes()
+    code, _, err = cli(*TINY_JOB, "--out", out)
+    line = one_line_error(err)
+    assert code == 2 and f"root metadata {out / 'zarr.json'} are damaged" in line and "--overwrite" in line, err
+    assert (out / "zarr.json").read_bytes() == torn and (out / "features").is_dir()
+    code, _, err = cli(*TINY_JOB, "--out", out, "--overwrite")
+    assert code == 0, err
+    assert_same_store(out, reference)
+    assert sorted(os.listdir(tmp_path)) == ["torn.zarr"]  # the old store moved aside, then deleted
+
+
+def test_a_torn_zarr_json_in_a_directory_that_is_no_store_is_never_replaced(tmp_path, reference, cli):
+    out = _torn_root(tmp_path, reference, recognisable=False)
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    code, _, err = cli(*TINY_JOB, "--out", out, "--overwrite")
+    assert code == 2 and "is a directory that is not an extract store" in one_line_error(err)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
 # ------------------------------------------------------------------------------------ job files
 
 
@@ -428,6 +476,31 @@ def test_overwrite_no_in_a_job_file_keeps_the_store(tmp_path, reference, cli):
     assert_same_store(out, reference)
 
 
+def test_verify_of_a_store_being_written_is_refused_naming_the_job(tmp_path):
+    args = [*PACED, "--data", "synthetic:320", "--chunk-size", "16", "--batch-size", "16"]
+    out, link = tmp_path / "live.zarr", tmp_path / "link.zarr"
+    link.symlink_to(out)
+    job = fork_start([*args, "--out", out], lambda: os.environ.update(TINY_PACE="0.1"), stderr=tmp_path / "err")
+    try:
+        deadline = time.time() + EXIT_TIMEOUT
+        while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+            assert time.time() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.02)
+        for store, flags in [(out, []), (link, []), (out, ["--repair"])]:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                assert verify_main([str(store), *flags]) == 2
+            (line,) = err.getvalue().splitlines()
+            assert "being written by another job" in line and f"pid {job}," in line, line
+    finally:
+        assert fork_wait(job) == 0, (tmp_path / "err").read_text()
+    assert fork_run([*args, "--out", tmp_path / "expected.zarr"]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert verify_main([str(out)]) == 0, said.getvalue()
+    got, expected = (zarr.open_group(p, mode="r") for p in (out, tmp_path / "expected.zarr"))
+    for name in ("features/conv", "labels", "valid", "keys"):
+        np.testing.assert_array_equal(got[name][:], expected[name][:], err_msg=name)
+
+
 # --------------------------------------------------------------------------------- one job per store
 
 
@@ -449,16 +522,21 @@ def _meet_at_the_lock(ready: int, go: int):
     return lambda: setattr(extract.store.lock, "_create", create)
 
 
-@pytest.mark.parametrize("second", ["same job", "other seed"])
+@pytest.mark.parametrize("second", ["same job", "other seed", "through a link"])
 def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     out = tmp_path / "race.zarr"
     longer = [*TINY_JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
-    jobs = {"first": longer, "second": [*longer, "--seed", "1"] if second == "other seed" else longer}
+    jobs = {"first": [*longer, "--out", out], "second": [*longer, "--out", out]}
+    if second == "other seed":
+        jobs["second"].extend(["--seed", "1"])
+    if second == "through a link":  # one store by two names: one lock, race.zarr.lock
+        (tmp_path / "link.zarr").symlink_to(out)
+        jobs["second"] = [*longer, "--out", tmp_path / "link.zarr"]
     ready_read, ready = os.pipe()
     go, go_write = os.pipe()
     try:
         pids = {
-            name: fork_start([*args, "--out", out], _meet_at_the_lock(ready, go), stderr=tmp_path / f"{name}.err")
+            name: fork_start(args, _meet_at_the_lock(ready, go), stderr=tmp_path / f"{name}.err")
             for name, args in jobs.items()
         }
         arrived = b""
@@ -477,8 +555,11 @@ def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     line = one_line_error(err)
     assert code == 2 and "being written by another job" in line and f"pid {pids[winners[0]]}" in line
     assert socket.gethostname() in line
+    if second == "through a link":
+        assert (tmp_path / "link.zarr").is_symlink()
+        assert loser == "first" or f"link.zarr (resolves to {out}; the lock is {lock_path(out)})" in line
     expected = tmp_path / "expected.zarr"
-    assert fork_run([*jobs[winners[0]], "--out", expected]) == 0
+    assert fork_run([*jobs[winners[0]][:-2], "--out", expected]) == 0
     group, clean = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
     assert group.attrs["fingerprint"] == clean.attrs["fingerprint"] and group.attrs["status"] == "complete"
     for name in ARRAYS:

@@ -1,7 +1,8 @@
 """``python -m extract.verify STORE [--repair]``: check a store's chunks (``extract.store.verify``).
 
-One summary line; exit status 0 when clean, 1 when damaged, 2 for bad input. ``--repair`` takes the
-store's lock, so a job writing the store is refused, naming its holder.
+One summary line; exit status 0 when clean, 1 when damaged, 2 for bad input. A store that a live job
+holds is refused, naming its holder (its objects being written would read as damage); ``--repair``
+takes the store's lock for the same reason.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import StoreDamagedError
-from ..store.lock import StoreLock
-from ..store.store import FeatureStore
+from ..store.lock import StoreLock, check_unlocked
+from ..store.store import FeatureStore, real_path
 from ..store.verify import repair, verify
 from .base import command
 
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 @command("extract.verify")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.store = real_path(args.store)  # through a link too: the lock is named for the real path
+    check_unlocked(args.store)
     try:
         if args.repair:
             with StoreLock(args.store):

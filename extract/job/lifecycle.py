@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, LockLostError, rebuilt
-from ..store.lock import LockUnavailable, StoreLock, lost_lock
-from ..store.store import FeatureStore, check_out_path, check_writable, sweep_scratch
+from ..errors import ExtractError, LockLostError, StoreBusyError, StoreDamagedError, rebuilt
+from ..store.lock import LockUnavailable, StoreLock, lock_path, lost_lock
+from ..store.store import DAMAGED, FeatureStore, check_out_path, check_writable, real_path, sweep_scratch
 from .interrupt import Interrupted
 
 Log = Callable[[str], None]
@@ -32,10 +32,11 @@ T = TypeVar("T")
 
 
 class StoreLife:
-    """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block."""
+    """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block.
+    ``life.out`` is the store's real path (``out`` with its links resolved): create and open it there."""
 
     def __init__(self, out: Path, state: PartialState, log: Log) -> None:
-        self.out, self.state, self.log = out, state, log
+        self.given, self.out, self.state, self.log = out, real_path(out), state, log
         self.main = state.is_main_process
         self.lock: StoreLock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
@@ -52,7 +53,8 @@ class StoreLife:
             try:
                 outcome = (step(), None)
             except ExtractError as e:
-                failure, outcome = e, (None, (type(e), str(e)))
+                failure = self._named(e)
+                outcome = (None, (type(failure), str(failure)))
         if self.state.num_processes > 1:  # the type travels too: every rank raises what rank 0 raised
             box = [outcome]
             broadcast_object_list(box, from_process=0)
@@ -61,6 +63,14 @@ class StoreLife:
         if error is not None:
             raise failure or rebuilt(*error)
         return value  # type: ignore[return-value]
+
+    def _named(self, error: ExtractError) -> ExtractError:
+        """``error`` in the user's words where ``--out`` is a link: the path given, and the real one."""
+        if self.given == self.out:
+            return error
+        locked = f"; the lock is {lock_path(self.out)}" if isinstance(error, StoreBusyError) else ""
+        told = str(error).replace(f"--out {self.out}", f"--out {self.given} (resolves to {self.out}{locked})", 1)
+        return rebuilt(type(error), told)
 
     # claim -----------------------------------------------------------------------------------------
 
@@ -101,6 +111,11 @@ class StoreLife:
 
     def _decide(self, identity: dict[str, Any], fingerprint: str, overwrite: bool) -> str:
         existing = self.existing
+        if existing is not None and DAMAGED in existing and not overwrite:
+            raise StoreDamagedError(
+                f"--out {self.out}: the store's root metadata {self.out / 'zarr.json'} are damaged "
+                f"({existing[DAMAGED]}); pass --overwrite to replace the store, or choose another --out"
+            )
         if existing is None or overwrite:
             action = "create"
         elif existing.get("fingerprint") == fingerprint:

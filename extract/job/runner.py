@@ -373,7 +373,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
             if action == "complete":
                 return _already_complete(job, log)
             _announce(job, log)
-            store = life.open(action, lambda writer: _create(job, writer))
+            store = life.open(action, lambda writer: _create(job, life.out, writer))
             pending, shares = _share(job, life, store, resume=action == "resume", log=log)
             summary = _extract(job, store, pending, shares[state.process_index], edit, stop, life.check_lock)
             life.finish(summary.record())
@@ -398,11 +398,12 @@ def _announce(job: _Job, log: Log) -> None:
         log(note)
 
 
-def _create(job: _Job, writer: str) -> FeatureStore:
-    """The new store, its ``writer`` the lock's token from the first instant (``store/fence.py``)."""
+def _create(job: _Job, out: Path, writer: str) -> FeatureStore:
+    """The new store at ``out`` (``--out`` with links resolved), its ``writer`` the lock's token from the
+    first instant (``store/fence.py``)."""
     plan, spec = job.plan, job.spec
     return FeatureStore.create(
-        Path(spec.out), shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
+        out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
         layouts=job.model.layers.stored_layouts(), keys=job.data.dataset.keys(),
         indexes=saved_indexes(job.data.dataset),

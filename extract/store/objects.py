@@ -89,3 +89,22 @@ def delete(store: Store, keys: Iterable[str]) -> None:
         await asyncio.gather(*(store.delete(key) for key in keys))
 
     _wait(remove())
+
+
+def settle() -> None:
+    """Wait until zarr's event loop has no task left, and take the errors of those that failed.
+
+    zarr gathers an array's writes with ``asyncio.gather``, which does not cancel the others when one
+    fails (a full disk): they go on in zarr's loop thread after the error has reached the caller, so
+    they could write into a directory the caller is removing, and at exit asyncio prints "Task was
+    destroyed but it is pending" and "exception was never retrieved" for each. Waiting, rather than
+    cancelling, is what stops their writes: a write already handed to a thread cannot be cancelled.
+    zarr's loop is reached through its ``sync``, the one bridge zarr itself uses."""
+    from zarr.core.sync import sync
+
+    async def drain() -> None:
+        me = asyncio.current_task()
+        while rest := [task for task in asyncio.all_tasks() if task is not me]:
+            await asyncio.gather(*rest, return_exceptions=True)
+
+    sync(drain())

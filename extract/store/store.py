@@ -39,6 +39,7 @@ INDEX_CHUNK_BYTES = 16 * 2**20
 DIGESTS = "digests"
 DIGEST_BYTES = 4
 METADATA = "zarr.json"
+DAMAGED = "extract.damaged_root"  # check_out_path's key for a store whose root metadata do not decode
 
 
 def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[str, ...]:
@@ -70,6 +71,29 @@ def _store_attrs(path: Path, damaged: bool = False) -> dict[str, Any] | None:
     return attrs if attrs.get("format") == FORMAT else None
 
 
+def damaged_root(path: Path) -> str | None:
+    """How the root ``zarr.json`` of what is recognisably an extract store at ``path`` is damaged (torn,
+    garbage), or None: it decodes, or the directory is not recognisably a store, and then it is never
+    replaced. Recognisable by its ``done`` and ``features`` metadata; not by a lock named for it alone,
+    which the refused run itself would remove, so that the ``--overwrite`` it advises would be refused."""
+    try:
+        if isinstance(json.loads((path / "zarr.json").read_bytes()), dict):
+            return None
+        why = "it is not a JSON object"
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        why = f"it does not decode: {getattr(e, 'strerror', None) or type(e).__name__}"
+    return why if all((path / name / "zarr.json").is_file() for name in ("done", "features")) else None
+
+
+def real_path(path: Path) -> Path:
+    """``path`` with its symbolic links resolved: a store reached through a link and by its own path is
+    one store, with one lock. Where no link is involved, ``path`` as given, so messages keep its words."""
+    real = path.resolve()
+    return path if real == Path(os.path.abspath(path)) else real
+
+
 def check_out_path(path: Path) -> dict[str, Any] | None:
     """Refuse an ``--out`` that cannot become a store, before any compute.
 
@@ -79,8 +103,13 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
     """
     if path.is_file():
         raise ExtractError(f"--out {path} is a regular file, not a store; choose another --out")
+    for above in Path(os.path.abspath(path)).parents:  # a store inside a store would become its member
+        if _store_attrs(above) is not None:
+            raise ExtractError(f"--out {path} is inside the extract store {above}; choose a path outside it")
     if path.is_dir():
         attrs = _store_attrs(path)
+        if attrs is None and (damage := damaged_root(path)) is not None:
+            return {DAMAGED: damage}  # replaced with --overwrite, refused without: decided with the job
         if attrs is None and any(path.iterdir()):
             raise ExtractError(
                 f"--out {path} is a directory that is not an extract store; choose a new path (it is never overwritten)"
@@ -233,10 +262,11 @@ class FeatureStore:
         trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
         try:
             skeleton.build(scratch, attrs)
-            if overwrite and _store_attrs(path) is not None:
+            if overwrite and (_store_attrs(path) is not None or damaged_root(path) is not None):
                 os.rename(path, trash)
             os.rename(scratch, path)  # replaces an absent path or an empty directory
         except OSError as e:
+            objects.settle()  # zarr's other writes of the skeleton, still queued: none may land after the removal
             shutil.rmtree(scratch, ignore_errors=True)
             raise ExtractError(
                 f"--out {path}: cannot create the store ({e.strerror or e}); free space or choose another --out"
