@@ -9,8 +9,8 @@ import pytest
 from extract.job.memory import keep_freed_memory
 
 # Ten rounds of twenty 8 MiB tensors alive at once, then freed, as a forward's activations are: with
-# glibc's defaults the heap's top is trimmed after each round and every page faults in again; with the
-# freed memory kept, only the first round faults.
+# glibc's defaults the heap's top is trimmed after rounds and their pages fault in again; with the freed
+# memory kept, only the first round faults.
 PROBE = textwrap.dedent(
     """
     import resource, sys, torch
@@ -40,8 +40,10 @@ def test_kept_memory_stops_the_page_faults_of_every_large_allocation():
     _, default = faults("default")
     assert applied == "True"
     pages_per_round = 20 * 8 * 2**20 // 4096
-    assert default > 8 * pages_per_round  # (nearly) every round faults its pages in again
     assert kept < 2 * pages_per_round  # the first round only
+    # glibc's defaults fault most rounds in again here, but its dynamic mmap threshold makes how many
+    # depend on the machine (CI saw 2 rounds of 10): only "never more than the defaults" is general.
+    assert kept <= default
 
 
 def test_a_user_who_set_malloc_variables_is_left_alone():

@@ -21,8 +21,6 @@ from zarr.abc.store import Store
 from zarr.buffer import default_buffer_prototype
 from zarr.storage import WrapperStore
 
-from .lock import lost_lock
-
 ROOT_METADATA = "zarr.json"
 
 
@@ -52,6 +50,8 @@ class FencedStore(WrapperStore[Store]):
         """Raise ``LockLostError`` unless the store's ``writer`` is our token."""
         metadata = await self._store.get(ROOT_METADATA, prototype=default_buffer_prototype())
         if writer_of(None if metadata is None else metadata.to_bytes()) != self.token:
+            from .lock import lost_lock  # only writers meet this; readers never load the lock
+
             raise lost_lock(self.path)
 
     async def set(self, key: str, value: Buffer) -> None:

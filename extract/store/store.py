@@ -8,6 +8,7 @@ done flags, deletion, sizes and listings go through zarr's store API, never thro
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -27,10 +28,9 @@ from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
 from . import objects
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, writer_of
-from .lock import lost_lock
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
 
-SCRATCH = (".creating-", ".trash-")  # sibling directories of a store being built or deleted
+SCRATCH = (".creating-", ".trash-", ".debris-")  # sibling directories of a store being built or deleted
 INDEXES = "index"  # the group of saved listings (``index/<name>``, uint8): not per-sample arrays
 INDEX_CHUNK_BYTES = 16 * 2**20
 # (K, A) uint32: row k holds the crc32c of chunk k's object in each per-sample array (format 3). The
@@ -264,7 +264,17 @@ class FeatureStore:
             skeleton.build(scratch, attrs)
             if overwrite and (_store_attrs(path) is not None or damaged_root(path) is not None):
                 os.rename(path, trash)
-            os.rename(scratch, path)  # replaces an absent path or an empty directory
+            try:
+                os.rename(scratch, path)  # replaces an absent path or an empty directory
+            except OSError as e:
+                # A holder that lost its lock can still land a write it checked a moment before the old
+                # store went aside, and that write makes the directories of its chunk again: debris
+                # without root metadata, which goes aside too.
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or (path / ROOT_METADATA).exists():
+                    raise
+                os.rename(path, debris := path.with_name(f".{path.name}.debris-{os.getpid()}"))
+                shutil.rmtree(debris, ignore_errors=True)
+                os.rename(scratch, path)
         except OSError as e:
             objects.settle()  # zarr's other writes of the skeleton, still queued: none may land after the removal
             shutil.rmtree(scratch, ignore_errors=True)
@@ -304,6 +314,8 @@ class FeatureStore:
     def check_writer(self, token: str | None = None) -> None:
         """Raise ``LockLostError`` unless the store's ``writer``, read afresh, is ``token`` (default: ours)."""
         if writer_of(objects.read(self.group.store, ROOT_METADATA)) != (token or self.writer):
+            from .lock import lost_lock  # only writers meet this; readers never load the lock
+
             raise lost_lock(self.path)
 
     def _validate(self, attrs: dict[str, Any]) -> None:
