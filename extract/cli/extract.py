@@ -50,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--image-key", metavar="K", help="wds: image extension; parquet/hf: image column (default: detected)"
     )
     p.add_argument("--label-key", metavar="K", help="wds: label extension (default cls); parquet/hf: column (label)")
+    p.add_argument("--text-key", metavar="K", help="text: the field or column that holds the text (default text)")
+    p.add_argument(
+        "--context-length",
+        type=int,
+        metavar="T",
+        help="text: tokens kept per document, longer ones truncated (default: the model's positions, at most 2048)",
+    )
+    p.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        metavar="N",
+        help="text: tokens per forward, padding included (default: batch size x 128)",
+    )
     p.add_argument(
         "--decode",
         help=f"{' | '.join(DECODES)}: PIL in full (default), PIL at a reduced JPEG scale covering the resize, "
@@ -99,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--skip-bad-images",
         action="store_true",
         default=None,
-        help="record undecodable images as invalid (valid=False, NaN features) instead of stopping",
+        help="record undecodable images, or unreadable documents, as invalid (valid=False) instead of stopping",
     )
     p.add_argument(
         "--timeout",

@@ -138,6 +138,8 @@ class DataOptions:
     label_key: str | None = None
     decode: str = "pil"
     exif_transpose: bool = False
+    text_key: str | None = None  # text sources: the field or column of the text (None: "text")
+    skip_bad: bool = False  # text sources: an unreadable document is recorded invalid instead of stopping the job
 
 
 @dataclass(frozen=True)

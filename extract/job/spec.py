@@ -44,6 +44,9 @@ class JobSpec:
     skip_bad_images: bool = False
     image_key: str | None = None
     label_key: str | None = None
+    text_key: str | None = None
+    context_length: int | None = None
+    tokens_per_batch: int | None = None
     decode: str = "pil"
     exif_transpose: bool = False
     timeout: float = 1800.0
@@ -54,7 +57,7 @@ class JobSpec:
         for name in ("batch_size", "writer_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("chunk_size", "image_size"):
+        for name in ("chunk_size", "image_size", "context_length", "tokens_per_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
