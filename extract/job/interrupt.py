@@ -68,9 +68,13 @@ class StopRequests:
     one preemption arrives more than once. Once ``Interrupted`` is raised, later signals are ignored:
     they would cut short the closing of the run's record and replace the job's count with none.
     The first request also goes to the launcher (``tell_launcher``), so that a signal to one rank
-    stops the whole job. Handlers are restored on exit; inactive off the main thread."""
+    stops the whole job, unless the launcher passes a signal on first: a Ctrl-C or ``kill`` of the
+    process group reaches the launcher too, and a second signal arriving at torch elastic's agent
+    while it handles the first makes it print a traceback. Handlers are restored on exit; inactive
+    off the main thread."""
 
     ECHO_SECONDS = 2.0
+    TELL_AFTER = 0.5  # seconds the launcher has to pass a group's signal on before a rank tells it
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -78,13 +82,18 @@ class StopRequests:
         self._first_at: float | None = None
         self._stopping = False
         self._previous: dict[int, object] = {}
+        self._tell: threading.Timer | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._stopping:
             return
         if self._first_at is None:
             self._first_at = time.monotonic()
-            tell_launcher(signum)
+            self._tell = threading.Timer(self.TELL_AFTER, tell_launcher, args=(signum,))
+            self._tell.daemon = True
+            self._tell.start()
+        elif self._tell is not None:  # the launcher passed it on (or another came): it knows
+            self._tell.cancel()
         if self._deferring and self.signum is None:
             self.signum = signum
             return
