@@ -7,7 +7,7 @@ runs every submodule and alias for --list-layers: its class, output shape and la
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +18,7 @@ from .hooks import Capture
 from .layers import LayerRef, describe, shape_text
 from .layout import Layout, infer_layout, selected_shape
 from .pooling import Pool, PoolShapeError, make_pool, per_layer
+from .tokens import TEXT_POOLS, TextReduce, TextSelection, TextShapeError
 
 Run = Callable[[torch.Tensor], Any]
 
@@ -211,10 +212,63 @@ def _shape_and_layout(
     return describe(shown, batch), str(layout or "")
 
 
-def model_failed(example: torch.Tensor, error: BaseException) -> ExtractError:
+def model_failed(example: torch.Tensor | Mapping[str, torch.Tensor], error: BaseException) -> ExtractError:
     """The model's own exception on a dummy batch, as one line that names the input it failed on."""
     first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(example, Mapping):
+        batch, length = example["input_ids"].shape
+        return ExtractError(
+            f"the model fails on a batch of {batch} sequences of {length} tokens ({error.__class__.__name__}: {first})"
+        )
     return ExtractError(
         f"the model fails on a {shape_text(example.shape, len(example))} input ({error.__class__.__name__}: {first}); "
         "it may need another --image-size (or none)"
     )
+
+
+@dataclass
+class TextLayerSetup(LayerSetup):
+    """``LayerSetup`` of a text job: ``selection`` is what the loop sets before each forward, and every
+    layer's reduction reads it; ``per_token`` says whether rows are tokens or documents."""
+
+    selection: TextSelection = field(default_factory=TextSelection)
+    per_token: bool = True
+
+    def stored_layouts(self) -> dict[str, str | None]:
+        """A text row is one vector (a token's, or a document's pooled): no layout to record."""
+        return dict.fromkeys(self.shapes)
+
+
+def setup_text_layers(
+    loaded: ModelRunner,
+    model: nn.Module,
+    refs: Sequence[LayerRef],
+    pool: str | Sequence[str],
+    example: Mapping[str, torch.Tensor],
+    autocast: Any,
+) -> TextLayerSetup:
+    """One forward of ``example`` (input_ids and attention_mask, (B, T)) validates the layers: each must
+    give (B, T, ...). Every layer is either stored per token (``--pool none``) or pooled per document
+    (mean, max, first, last): a job is one or the other."""
+    outputs = _capture(loaded, model, refs, example, autocast)  # type: ignore[arg-type]
+    pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
+    kinds = {name: "token" if value == "none" else "document" for name, value in pools.items()}
+    if len(set(kinds.values())) > 1:
+        given = ", ".join(f"{name}={value}" for name, value in pools.items())
+        raise ExtractError(
+            f"--pool gives {given}: a text job stores every layer per token (none) or every layer per document "
+            f"({', '.join(TEXT_POOLS)}); use one kind for all layers, or run two jobs"
+        )
+    selection = TextSelection()
+    batch = tuple(example["input_ids"].shape)
+    reduce: dict[str, Pool | None] = {}
+    shapes, layouts = {}, {}
+    for ref in refs:
+        reduce[ref.name] = TextReduce(pools[ref.name], selection)
+        shape = tuple(outputs[ref.name].shape)
+        if len(shape) < 3 or shape[:2] != batch:
+            raise TextShapeError(shape, batch).for_layer(ref.name)  # type: ignore[arg-type]
+        shapes[ref.name] = shape[2:]
+        layouts[ref.name] = Layout.NLC if len(shape) == 3 else None
+    per_token = next(iter(kinds.values()), "token") == "token"
+    return TextLayerSetup(pools, reduce, layouts, shapes, selection=selection, per_token=per_token)

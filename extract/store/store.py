@@ -42,14 +42,44 @@ METADATA = "zarr.json"
 DAMAGED = "extract.damaged_root"  # check_out_path's key for a store whose root metadata do not decode
 
 
-def dimension_names(layer: str, ndim: int, layout: str | None = None) -> tuple[str, ...]:
-    """Per-layer dimension names: xarray needs them, and layers differ in size along them."""
+def dimension_names(layer: str, ndim: int, layout: str | None = None, row: str = "sample") -> tuple[str, ...]:
+    """Per-layer dimension names: xarray needs them, and layers differ in size along them. ``row`` names
+    the first axis: ``sample`` (images), ``document`` (pooled text) or ``token``."""
     names = Layout(layout).dimension_names if layout else ()
     if len(names) != ndim:
         names = {3: Layout.NCHW.dimension_names, 2: Layout.NLC.dimension_names, 1: ("feature",)}.get(
             ndim, tuple(f"dim{i}" for i in range(ndim))
         )
-    return ("sample", *(f"{layer}.{n}" for n in names))
+    if row != "sample" and ndim == 1:  # a text layer's row is one vector of its hidden size
+        names = ("channel",)
+    return (row, *(f"{layer}.{n}" for n in names))
+
+
+KINDS = ("images", "documents", "tokens")
+ROW_NAMES = {"images": "sample", "documents": "document", "tokens": "token"}
+# arrays per document in a token store: written whole at creation, read whole
+DOCUMENT_ARRAYS = ("labels", "valid", "keys")
+TEXT_ARRAYS = ("offsets", "token_ids", "special")
+TEXT_CHUNK = 2**16  # rows per chunk of the per-document and token-id arrays where they are not row arrays
+
+
+@dataclass(frozen=True)
+class TextArrays:
+    """A tokenized corpus as the store keeps it: document i is tokens ``offsets[i]:offsets[i+1]``."""
+
+    offsets: np.ndarray  # (N_docs + 1,) int64
+    token_ids: np.ndarray  # (N_tokens,) int32
+    special: np.ndarray  # (N_tokens,) bool
+    labels: np.ndarray  # (N_docs,) int64
+    valid: np.ndarray  # (N_docs,) bool
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
 
 
 def _store_attrs(path: Path, damaged: bool = False) -> dict[str, Any] | None:
@@ -153,6 +183,8 @@ class _Skeleton:
     layouts: dict[str, str | None]
     keys: Sequence[str] | None
     indexes: dict[str, bytes]
+    kind: str = "images"
+    text: TextArrays | None = None
 
     def build(self, path: Path, attrs: dict[str, Any]) -> None:
         group = zarr.open_group(
@@ -165,18 +197,25 @@ class _Skeleton:
                 "num_samples": self.num_samples,
                 "chunk_size": self.chunk_size,
                 "layers": list(self.shapes),
+                "kind": self.kind,
                 **attrs,
             },
         )
         self._features(group.create_group("features"))
-        self._per_sample(group)
+        if self.text is None:
+            self._per_sample(group)
+        else:
+            self._text(group, self.text)
         num_chunks = Plan(self.num_samples, self.chunk_size).num_chunks
         group.create_array(
             "done", shape=(num_chunks,), chunks=(1,), dtype="bool",
             fill_value=False, compressors=[Crc32cCodec()], dimension_names=("chunk",),
         )  # fmt: skip
-        columns = [*(f"features/{layer}" for layer in self.shapes), "labels", "valid"]
-        columns += ["keys"] if self.keys is not None else []
+        columns = [f"features/{layer}" for layer in self.shapes]
+        if self.kind == "tokens":
+            columns += ["token_ids", "special"]
+        else:
+            columns += ["labels", "valid", *(["keys"] if self.keys is not None else [])]
         group.create_array(
             DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
             compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},
@@ -195,7 +234,7 @@ class _Skeleton:
                 dtype=self.dtype,
                 fill_value=np.nan,
                 compressors=checked(codecs(self.compressor)),
-                dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer)),
+                dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), ROW_NAMES[self.kind]),
             )
 
     def _per_sample(self, group: zarr.Group) -> None:
@@ -213,6 +252,35 @@ class _Skeleton:
                 "keys", shape=(n,), chunks=(c,), dtype=str,
                 compressors=checked(codecs("zstd")), dimension_names=("sample",),
             )[:] = np.asarray(self.keys, dtype=STRINGS)  # fmt: skip
+
+    def _text(self, group: zarr.Group, text: TextArrays) -> None:
+        """A text store's arrays, all written whole here (the tokenization came first). In a token store
+        the rows are tokens: ``token_ids`` and ``special`` are chunked like the features, and the
+        per-document arrays by ``TEXT_CHUNK``; in a document store the rows are documents."""
+        tokens = self.kind == "tokens"
+        token_chunk = self.chunk_size if tokens else TEXT_CHUNK
+        document_chunk = TEXT_CHUNK if tokens else self.chunk_size
+        zstd = checked(codecs("zstd"))
+
+        def whole(name: str, values: np.ndarray, chunk: int, dimension: str, **options: Any) -> None:
+            group.create_array(
+                name, shape=values.shape, chunks=(max(1, min(chunk, len(values))),), dtype=options.pop("dtype", values.dtype),
+                compressors=zstd, dimension_names=(dimension,), **options,
+            )[:] = values  # fmt: skip
+
+        whole("offsets", text.offsets.astype(np.int64), TEXT_CHUNK, "document_edge")
+        if text.num_tokens:
+            whole("token_ids", text.token_ids.astype(np.int32), token_chunk, "token")
+            whole("special", text.special.astype(bool), token_chunk, "token")
+        else:  # zarr refuses chunks of zero rows
+            for name, dtype in (("token_ids", "int32"), ("special", "bool")):
+                group.create_array(
+                    name, shape=(0,), chunks=(1,), dtype=dtype, compressors=zstd, dimension_names=("token",)
+                )
+        whole("labels", text.labels.astype(np.int64), document_chunk, "document")
+        whole("valid", text.valid.astype(bool), document_chunk, "document")
+        if self.keys is not None:
+            whole("keys", np.asarray(self.keys, dtype=STRINGS), document_chunk, "document", dtype=str)
 
     def _indexes(self, group: zarr.Group) -> None:
         """Each saved index as a uint8 array: a member of the hierarchy, so zarr (and object storage)
@@ -250,14 +318,17 @@ class FeatureStore:
         layouts: Mapping[str, str | None] | None = None,
         keys: Sequence[str] | None = None,
         indexes: Mapping[str, bytes] | None = None,
+        kind: str = "images",
+        text: TextArrays | None = None,
     ) -> FeatureStore:
         """Build the store beside ``path`` and rename it into place: a kill or a full disk at any instant
         leaves either no store or the whole skeleton. ``overwrite`` first moves the old store aside
         (one rename), then deletes it: an interrupted overwrite leaves the old store or nothing.
         ``indexes`` are saved listings (name -> bytes) kept in the skeleton for a resume (the shard index)."""
         skeleton = _Skeleton(
-            dict(shapes), num_samples, chunk_size, dtype, compressor, dict(layouts or {}), keys, dict(indexes or {})
-        )
+            dict(shapes), num_samples, chunk_size, dtype, compressor, dict(layouts or {}), keys, dict(indexes or {}),
+            kind, text,
+        )  # fmt: skip
         scratch = path.with_name(f".{path.name}.creating-{os.getpid()}")
         trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
         try:
@@ -323,9 +394,15 @@ class FeatureStore:
         if not (type(n) is int and type(c) is int and n >= 1 and c >= 1):
             raise StoreDamagedError(f"{self.path}: num_samples {n!r} and chunk_size {c!r} must be positive integers")
         num_chunks = -(-n // c)
+        kind = attrs.get("kind", "images")
+        if kind not in KINDS:
+            raise StoreDamagedError(f"{self.path}: kind {kind!r} is not one of {', '.join(KINDS)}")
         expected = {f"features/{layer}": None for layer in attrs.get("layers", [])}
         expected.update(labels=None, valid=None)
+        if kind != "images":
+            expected.update(dict.fromkeys(TEXT_ARRAYS))
         optional = [name for name in ("keys", DIGESTS) if self.has(name)]  # read back, so checked too
+        rows_of = self._row_arrays(kind, attrs)
         for name in [*expected, "done", *optional]:
             try:
                 array = self.array(name)
@@ -334,12 +411,27 @@ class FeatureStore:
                     f"{self.path} has no array '{name}': it is damaged or not finished being created; "
                     "rerun the job with --overwrite"
                 ) from None
+            if name not in rows_of and name not in ("done", DIGESTS):
+                continue  # a text store's per-document or token-id arrays: their length is the corpus's
             rows, chunk = (num_chunks, 1) if name in ("done", DIGESTS) else (n, c)
             if array.shape[:1] != (rows,) or array.chunks[:1] != (chunk,):
                 raise StoreDamagedError(
                     f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
                     f"but the metadata say num_samples {n} and chunk_size {c}; the store was edited or damaged"
                 )
+
+    @staticmethod
+    def _row_arrays(kind: str, attrs: Mapping[str, Any]) -> set[str]:
+        """The arrays with one row per stored row (chunked like the features, written per chunk)."""
+        features = {f"features/{layer}" for layer in attrs.get("layers", [])}
+        if kind == "tokens":
+            return features | {"token_ids", "special"}
+        return features | {"labels", "valid", "keys"}
+
+    @property
+    def kind(self) -> str:
+        """``images``, ``documents`` (text pooled per document) or ``tokens`` (one row per token)."""
+        return self.attrs.get("kind", "images")
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -415,9 +507,14 @@ class FeatureStore:
 
     def sample_arrays(self) -> Iterator[tuple[str, zarr.Array]]:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
-        n = self.attrs["num_samples"]
+        attrs = self.attrs
+        n, kind = attrs["num_samples"], attrs.get("kind", "images")
+        rows = self._row_arrays(kind, attrs)
         for name, member in self._members():
-            if name not in ("done", DIGESTS) and member.shape[:1] == (n,):
+            if kind != "images":
+                if name in rows:
+                    yield name, self.array(name)
+            elif name not in ("done", DIGESTS) and member.shape[:1] == (n,):
                 if not name.startswith(f"{INDEXES}/"):  # a saved index of N bytes is no sample array
                     yield name, self.array(name)
 
@@ -479,15 +576,17 @@ class FeatureStore:
         start: int,
         stop: int,
         features: Mapping[str, np.ndarray],
-        labels: np.ndarray,
-        valid: np.ndarray,
+        labels: np.ndarray | None,
+        valid: np.ndarray | None,
     ) -> None:
         """Write one whole chunk of every array, record its objects' digests, then mark it done: a crash
-        before the mark redoes it."""
+        before the mark redoes it. Text stores pass no labels or valid: theirs were written at creation."""
         for layer, values in features.items():
             self.array(f"features/{layer}")[start:stop] = values
-        self.array("labels")[start:stop] = labels
-        self.array("valid")[start:stop] = valid
+        if labels is not None:
+            self.array("labels")[start:stop] = labels
+        if valid is not None:
+            self.array("valid")[start:stop] = valid
         if (rows := self.digests_array()) is not None:
             digests = self.object_digests([chunk], rows.attrs["arrays"])[chunk]
             rows[chunk] = np.array([0 if d is None else d for d in digests], dtype=np.uint32)

@@ -49,14 +49,17 @@ class ChunkWriter:
         plan: Plan,
         shapes: Mapping[str, tuple[int, ...]],
         threads: int = 1,
+        *,
+        rows_only: bool = False,
     ) -> None:
         self.store, self.staging, self.plan = store, staging, plan
+        self.rows_only = rows_only  # text stores: labels and valid were written at creation
         self.shapes = dict(shapes)
         self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
         self.threads = threads
         self.chunks_written = 0
         self.overflow: dict[str, int] = dict.fromkeys(self.shapes, 0)
-        self._queue: queue.Queue[tuple[Slot, np.ndarray, np.ndarray, np.ndarray] | None] = queue.Queue(
+        self._queue: queue.Queue[tuple[Slot | None, np.ndarray, np.ndarray, np.ndarray] | None] = queue.Queue(
             staging.num_slots
         )
         self._open: dict[int, _OpenChunk] = {}
@@ -73,7 +76,15 @@ class ChunkWriter:
             raise WriterError(f"writing the store failed: {self._error!r}") from self._error
 
     def submit(self, slot: Slot, indices: torch.Tensor, labels: torch.Tensor, valid: np.ndarray) -> None:
-        item = (slot, indices.numpy().astype(np.int64), labels.numpy().astype(np.int64), valid)
+        self._put((slot, indices.numpy().astype(np.int64), labels.numpy().astype(np.int64), valid))
+
+    def submit_rows(self, slot: Slot | None, rows: np.ndarray) -> None:
+        """Rows ``rows`` (ascending, not necessarily contiguous) of the staged batch in ``slot``; no slot:
+        rows without features (empty documents), stored as NaN."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self._put((slot, rows, np.full(len(rows), -1, np.int64), np.ones(len(rows), bool)))
+
+    def _put(self, item: tuple[Slot | None, np.ndarray, np.ndarray, np.ndarray]) -> None:
         while True:
             self.check()
             try:
@@ -109,7 +120,8 @@ class ChunkWriter:
         try:
             while (item := self._queue.get()) is not None:
                 if self._error is not None:
-                    self.staging.release(item[0])
+                    if item[0] is not None:
+                        self.staging.release(item[0])
                     continue
                 self._consume(*item)
             while self._inflight:
@@ -127,31 +139,38 @@ class ChunkWriter:
                 return
             if item is None:
                 return
-            self.staging.release(item[0])
+            if item[0] is not None:
+                self.staging.release(item[0])
 
-    def _consume(self, slot: Slot, indices: np.ndarray, labels: np.ndarray, valid: np.ndarray) -> None:
-        self.staging.wait(slot)
+    def _consume(self, slot: Slot | None, indices: np.ndarray, labels: np.ndarray, valid: np.ndarray) -> None:
+        if slot is not None:
+            self.staging.wait(slot)
         try:
             for chunk, first, end in chunk_segments(indices, self.plan.chunk_size):
                 open_chunk = self._open.get(chunk)
                 if open_chunk is None:
                     open_chunk = self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype)
-                at = int(indices[first]) - open_chunk.start
                 rows = end - first
-                for name, buffer in slot.buffers.items():
-                    open_chunk.features[name][at : at + rows] = buffer[first:end].numpy()
-                open_chunk.labels[at : at + rows] = labels[first:end]
-                open_chunk.valid[at : at + rows] = valid[first:end]
+                at: slice | np.ndarray = slice(int(indices[first]) - open_chunk.start, None)
+                if int(indices[end - 1]) - int(indices[first]) == rows - 1:  # contiguous: a slice copies faster
+                    at = slice(at.start, at.start + rows)
+                else:  # a text batch keeps only this rank's tokens of a document
+                    at = indices[first:end] - open_chunk.start
+                for name, values in open_chunk.features.items():
+                    values[at] = slot.buffers[name][first:end].numpy() if slot is not None else np.nan
+                open_chunk.labels[at] = labels[first:end]
+                open_chunk.valid[at] = valid[first:end]
                 open_chunk.filled += rows
                 if open_chunk.filled == open_chunk.stop - open_chunk.start:
                     self._write(self._open.pop(chunk))
         finally:
-            self.staging.release(slot)
+            if slot is not None:
+                self.staging.release(slot)
 
     def _write(self, chunk: _OpenChunk) -> None:
         invalid = ~chunk.valid
         for name, values in chunk.features.items():
-            if invalid.any():
+            if invalid.any() and not self.rows_only:
                 values[invalid] = np.nan
             if values.dtype == np.float16:  # count ±inf on the bits: half the time of np.isinf
                 self.overflow[name] += int(np.count_nonzero((values.view(np.uint16) & 0x7FFF) == 0x7C00))
@@ -164,8 +183,8 @@ class ChunkWriter:
                 chunk.start,
                 chunk.stop,
                 chunk.features,
-                chunk.labels,
-                chunk.valid,
+                None if self.rows_only else chunk.labels,
+                None if self.rows_only else chunk.valid,
             )  # fmt: skip
         )
 

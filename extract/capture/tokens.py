@@ -1,0 +1,80 @@
+"""Reductions of a text layer's (B, T, ...) output that depend on the batch: the rows of the tokens a
+rank stores, or one row per document pooled over its real tokens (never the padding).
+
+The loop sets ``TextSelection`` before each forward; every layer's ``TextReduce`` reads it. Pooling is
+the attention-mask-aware pooling sentence-transformers uses: ``mean`` sums the real tokens and divides
+by their count, ``max`` ignores padded positions, ``first`` takes position 0 (a CLS token) and
+``last`` the last real token (how embedding models built on causal LMs pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ExtractError
+
+TEXT_POOLS = ("mean", "max", "first", "last")
+
+
+@dataclass
+class TextSelection:
+    """The batch's attention mask (B, T) and either ``flat`` (the stored tokens' positions ``b * T + t``,
+    in store order) or ``order`` (the batch's documents in store order)."""
+
+    mask: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+
+class TextReduce:
+    """``pool`` ``none``: the stored token rows (R, ...); else one pooled row per document (B, ...)."""
+
+    def __init__(self, pool: str, selection: TextSelection) -> None:
+        if pool != "none" and pool not in TEXT_POOLS:
+            raise ExtractError(
+                f"--pool {pool} does not apply to a text layer; use none (per token) or {', '.join(TEXT_POOLS)}"
+            )
+        self.pool, self.selection = pool, selection
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.selection.mask
+        assert mask is not None, "the loop sets the batch's selection before the forward"
+        if x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape):
+            raise TextShapeError(tuple(x.shape), tuple(mask.shape))
+        if self.pool == "none":
+            assert self.selection.flat is not None
+            return x.flatten(0, 1)[self.selection.flat]
+        pooled = pool_tokens(x, mask, self.pool)
+        return pooled if self.selection.order is None else pooled[self.selection.order]
+
+
+def pool_tokens(x: torch.Tensor, mask: torch.Tensor, pool: str) -> torch.Tensor:
+    """(B, T, ...) -> (B, ...) over each row's real tokens (``mask`` 1), in float32 where summed."""
+    real = mask.bool().view(*mask.shape, *([1] * (x.dim() - 2)))
+    if pool == "mean":
+        total = (x.float() * real).sum(1)
+        return total / real.sum(1).clamp(min=1)
+    if pool == "max":
+        return x.masked_fill(~real, float("-inf")).amax(1)
+    if pool == "first":
+        return x[:, 0]
+    if pool == "last":
+        last = mask.long().sum(1).clamp(min=1) - 1
+        return x[torch.arange(x.shape[0], device=x.device), last]
+    raise ValueError(f"pool {pool!r}: choose one of {', '.join(TEXT_POOLS)}")
+
+
+class TextShapeError(ExtractError):
+    """A layer whose output is not one row per token of the batch (a pooler, a classifier head)."""
+
+    def __init__(self, shape: tuple[int, ...], batch: tuple[int, int]) -> None:
+        self.shape, self.batch = shape, batch
+        super().__init__(f"gives shape {shape} for a batch of {batch[0]} sequences of {batch[1]} tokens")
+
+    def for_layer(self, layer: str) -> ExtractError:
+        return ExtractError(
+            f"layer '{layer}' {self.args[0]}: not one row per token (B, T, ...); pick a layer inside the "
+            "model's blocks (see --list-layers)"
+        )

@@ -1,0 +1,250 @@
+"""Text jobs: the corpus tokenized once (split across ranks, gathered before the store exists), and the
+batches that run it: documents sorted by length within a window of chunks and packed to a token
+budget, each batch with the rows this rank stores.
+
+Rows are tokens in a token store and documents in a document store (pooled). A rank owns whole
+chunks of rows; a document that straddles two ranks' chunks runs on both, and each keeps only the
+rows of its own chunks (``TextBatch.flat`` picks them, in the store's order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+
+from ..errors import ExtractError
+from ..store.chunks import Plan
+from ..store.store import TextArrays
+
+WINDOW_CHUNKS = 4  # chunks whose documents are sorted by length together: more sorts better, holds more
+
+
+class Encoder(Protocol):
+    """What tokenizing needs of a text model (``extract.models.hf_text.TextModel`` is one)."""
+
+    def encode(self, text: str | None, input_ids: Sequence[int] | None, context_length: int) -> Any: ...
+
+
+@dataclass
+class Tokenized:
+    """The corpus as the store keeps it, and what truncation and bad documents cost."""
+
+    arrays: TextArrays
+    truncated: int = 0  # documents cut to the context length
+    dropped: int = 0  # tokens those cuts removed
+    empty: int = 0  # documents of zero tokens (stored empty)
+    invalid: int = 0  # documents that could not be read (--skip-bad-images), stored empty and invalid
+
+    def notes(self, context_length: int) -> list[str]:
+        """What the user should know about the tokenization, one line each."""
+        notes = []
+        if self.truncated:
+            notes.append(
+                f"extract: {self.truncated} documents longer than --context-length {context_length} were truncated "
+                f"({self.dropped} tokens dropped)"
+            )
+        if self.empty:
+            notes.append(f"extract: {self.empty} documents have no tokens; they are stored empty")
+        if self.invalid:
+            notes.append(f"extract: {self.invalid} documents could not be read; they are stored empty with valid=False")
+        return notes
+
+
+def _share(num_documents: int, rank: int, world_size: int) -> tuple[int, int]:
+    per_rank, extra = divmod(num_documents, world_size)
+    start = rank * per_rank + min(rank, extra)
+    return start, start + per_rank + (rank < extra)
+
+
+def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> Tokenized:
+    """Every document tokenized once: rank r takes a contiguous share, and the shares are gathered on
+    every rank (the plan needs every length before the store exists). A document the source could not
+    read (``Document.error``, with --skip-bad-images) is stored with no tokens and valid=False."""
+    start, stop = _share(len(source), state.process_index, state.num_processes)
+    ids, special, lengths, labels, valid = [], [], [], [], []
+    truncated = dropped = 0
+    for index, document in zip(range(start, stop), source.documents(start, stop), strict=True):
+        if document.error:
+            encoded_ids, encoded_special, cut = np.zeros(0, np.int32), np.zeros(0, bool), 0
+        else:
+            try:
+                encoded = model.encode(document.text, document.input_ids, context_length)
+            except ValueError as e:
+                raise ExtractError(f"document {source.describe(index)}: {e}") from None
+            encoded_ids, encoded_special, cut = encoded.ids, encoded.special, encoded.dropped
+        ids.append(np.asarray(encoded_ids, dtype=np.int32))
+        special.append(np.asarray(encoded_special, dtype=bool))
+        lengths.append(len(encoded_ids))
+        labels.append(document.label)
+        valid.append(not document.error)
+        truncated += cut > 0
+        dropped += cut
+    part = {
+        "ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        "special": np.concatenate(special) if special else np.zeros(0, bool),
+        "lengths": np.asarray(lengths, dtype=np.int64),
+        "labels": np.asarray(labels, dtype=np.int64),
+        "valid": np.asarray(valid, dtype=bool),
+        "truncated": truncated,
+        "dropped": dropped,
+    }
+    parts = gather_object([part]) if state.num_processes > 1 else [part]
+    lengths_all = np.concatenate([p["lengths"] for p in parts])
+    offsets = np.zeros(len(lengths_all) + 1, dtype=np.int64)
+    np.cumsum(lengths_all, out=offsets[1:])
+    valid_all = np.concatenate([p["valid"] for p in parts])
+    arrays = TextArrays(
+        offsets=offsets,
+        token_ids=np.concatenate([p["ids"] for p in parts]),
+        special=np.concatenate([p["special"] for p in parts]),
+        labels=np.concatenate([p["labels"] for p in parts]),
+        valid=valid_all,
+    )
+    return Tokenized(
+        arrays,
+        truncated=sum(p["truncated"] for p in parts),
+        dropped=sum(p["dropped"] for p in parts),
+        empty=int(((lengths_all == 0) & valid_all).sum()),
+        invalid=int((~valid_all).sum()),
+    )
+
+
+@dataclass
+class TextBatch:
+    """One forward: ``input_ids`` and ``attention_mask`` (B, T), right-padded; ``rows`` the store rows
+    it fills, ascending; ``flat`` (per token) the positions ``b * T + t`` of those rows in the batch, or
+    ``order`` (per document) the batch's documents in store order."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    rows: np.ndarray
+    flat: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+
+class TextBatches:
+    """The batches of one rank's ``chunks`` (ascending), window by window.
+
+    ``per_token``: rows are tokens and ``plan`` chunks them; a document runs in the window of its first
+    row in ``chunks`` and keeps its rows that are in ``chunks``. Otherwise rows are documents. Within a
+    window documents are sorted by length (longest first) and packed while B x T stays within
+    ``tokens_per_batch`` and B within ``max_sequences``; a longer document runs alone. Token ids are read
+    from the store (``token_ids``), window by window: a resume never tokenizes again. ``empty`` yields,
+    per window, the document rows with no tokens (a document store still has their row, NaN)."""
+
+    def __init__(
+        self,
+        offsets: np.ndarray,
+        token_ids: Any,
+        plan: Plan,
+        chunks: Sequence[int],
+        *,
+        per_token: bool,
+        tokens_per_batch: int,
+        max_sequences: int,
+        pad_id: int,
+        window: int = WINDOW_CHUNKS,
+    ) -> None:
+        self.offsets, self.token_ids, self.plan = offsets, token_ids, plan
+        self.chunks, self.per_token = list(chunks), per_token
+        self.tokens_per_batch, self.max_sequences, self.pad_id = tokens_per_batch, max_sequences, pad_id
+        self.window = window
+        self._owned = set(self.chunks)
+
+    def __iter__(self) -> Iterator[TextBatch | np.ndarray]:
+        seen = -1  # the last document run: each runs once per rank
+        for at in range(0, len(self.chunks), self.window):
+            window = self.chunks[at : at + self.window]
+            documents = self._documents(window, seen)
+            if not len(documents):
+                continue
+            seen = int(documents[-1])
+            lengths = self.offsets[documents + 1] - self.offsets[documents]
+            if not self.per_token and (lengths == 0).any():
+                yield documents[lengths == 0]
+            documents, lengths = documents[lengths > 0], lengths[lengths > 0]
+            if not len(documents):
+                continue
+            ids = self._read_ids(documents)
+            by_length = np.argsort(-lengths, kind="stable")
+            for group in self._pack(lengths[by_length]):
+                yield self._batch(documents[by_length[group]], ids)
+
+    def _read_ids(self, documents: np.ndarray) -> dict[int, np.ndarray]:
+        """Each document's token ids, read run by run of consecutive documents (one read each): a
+        resume's pending chunks may be far apart, and nothing between them is read."""
+        ids: dict[int, np.ndarray] = {}
+        breaks = np.flatnonzero(np.diff(documents) != 1) + 1
+        for run in np.split(documents, breaks):
+            first, last = int(self.offsets[run[0]]), int(self.offsets[run[-1] + 1])
+            values = np.asarray(self.token_ids[first:last])
+            for document in run.tolist():
+                ids[document] = values[self.offsets[document] - first : self.offsets[document + 1] - first]
+        return ids
+
+    def _documents(self, window: Sequence[int], seen: int) -> np.ndarray:
+        """The documents with rows in ``window`` not run before (ascending)."""
+        spans = []
+        for chunk in window:
+            start, stop = self.plan.bounds(chunk)
+            if self.per_token:  # the documents that hold tokens start..stop-1 (none are empty)
+                lo = int(np.searchsorted(self.offsets, start, side="right")) - 1
+                hi = int(np.searchsorted(self.offsets, stop - 1, side="right"))
+                spans.append(np.arange(lo, hi))
+            else:
+                spans.append(np.arange(start, stop))
+        documents = np.unique(np.concatenate(spans))
+        if self.per_token:  # empty documents share their offset with the next: they hold no row
+            documents = documents[self.offsets[documents + 1] > self.offsets[documents]]
+        return documents[documents > seen]
+
+    def _pack(self, lengths: np.ndarray) -> Iterator[slice]:
+        """Consecutive groups of the (longest first) lengths within the budget."""
+        start = 0
+        while start < len(lengths):
+            longest = int(lengths[start])
+            size = max(1, min(self.max_sequences, self.tokens_per_batch // max(1, longest)))
+            yield slice(start, min(start + size, len(lengths)))
+            start += size
+
+    def _batch(self, documents: np.ndarray, ids: dict[int, np.ndarray]) -> TextBatch:
+        starts = self.offsets[documents]
+        lengths = self.offsets[documents + 1] - starts
+        width = int(lengths.max())
+        input_ids = np.full((len(documents), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(documents), width), dtype=np.int64)
+        for b, (document, length) in enumerate(zip(documents.tolist(), lengths.tolist(), strict=True)):
+            input_ids[b, :length] = ids[document]
+            mask[b, :length] = 1
+        batch = TextBatch(torch.from_numpy(input_ids), torch.from_numpy(mask), rows=np.zeros(0, np.int64))
+        if not self.per_token:
+            order = np.argsort(documents, kind="stable")
+            batch.rows, batch.order = documents[order].astype(np.int64), torch.from_numpy(order)
+            return batch
+        rows, flat = [], []
+        for b, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist(), strict=True)):
+            positions = np.arange(length)
+            kept = self._owned_rows(start, length)
+            rows.append(start + positions[kept])
+            flat.append(b * width + positions[kept])
+        rows_all, flat_all = np.concatenate(rows), np.concatenate(flat)
+        order = np.argsort(rows_all, kind="stable")
+        batch.rows, batch.flat = rows_all[order], torch.from_numpy(flat_all[order])
+        return batch
+
+    def _owned_rows(self, start: int, length: int) -> np.ndarray:
+        """Which of a document's tokens fall in this rank's chunks."""
+        size = self.plan.chunk_size
+        chunk_of = (start + np.arange(length)) // size
+        if chunk_of[0] == chunk_of[-1]:
+            return np.full(length, int(chunk_of[0]) in self._owned)
+        return np.isin(chunk_of, list(self._owned))
