@@ -12,17 +12,20 @@ from ..store.chunks import Plan
 
 CHUNK_TARGET_BYTES = 16 * 2**20
 MAX_CHUNK_SIZE = 1024
+MAX_TOKEN_CHUNK_SIZE = 2**16  # a token's row is one vector: 16 MiB of d=768 float16 rows is ~11k tokens
 MIN_STEPS = 16  # chunks (progress steps) of a job with at least MIN_STEPS_FROM samples
 MIN_STEPS_FROM = 256
 
 
-def default_chunk_size(num_samples: int, bytes_per_sample: int, world_size: int = 1) -> int:
+def default_chunk_size(
+    num_samples: int, bytes_per_sample: int, world_size: int = 1, largest: int = MAX_CHUNK_SIZE
+) -> int:
     """Samples per chunk so that the largest layer's chunk is about 16 MiB uncompressed: large enough
     for codecs and filesystems, small enough to keep writer memory and the work lost to a crash small.
-    A power of two, at most 1024. Small jobs get smaller chunks so that every rank has work (K >= 4 x
+    A power of two, at most ``largest`` (1024 images or documents, 2**16 tokens). Small jobs get smaller chunks so that every rank has work (K >= 4 x
     world size when N allows it) and the progress bar moves (K >= 16 from a few hundred samples)."""
     fit = max(1, CHUNK_TARGET_BYTES // max(1, bytes_per_sample))
-    size = min(MAX_CHUNK_SIZE, 2 ** int(math.log2(fit)))
+    size = min(largest, 2 ** int(math.log2(fit)))
     steps = max(4 * world_size, MIN_STEPS if num_samples >= MIN_STEPS_FROM else 1)
     return max(1, min(size, num_samples // steps))
 

@@ -29,11 +29,12 @@ class JobProgress:
         enabled: bool,
         interval: float = 0.5,
         own: list[int] | None = None,
+        unit: str = "img",
     ) -> None:
         self.store, self.plan, self.interval = store, plan, interval
         self.pending = set(pending)
         self.others = self.pending - set(own or [])
-        self.bar = tqdm(total=plan.samples_in(pending), unit="img", desc="extract", disable=not enabled, smoothing=0.1)
+        self.bar = tqdm(total=plan.samples_in(pending), unit=unit, desc="extract", disable=not enabled, smoothing=0.1)
         self._forwarded = 0  # this process's samples
         self._finished = 0  # the other processes' samples, in chunks marked done
         self._lock = threading.Lock()

@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from ..capture.hooks import Capture, Edit
 from ..capture.layers import LayerRef, resolve_layers
-from ..capture.setup import LayerSetup, list_layers, setup_layers
+from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
 from ..capture.staging import HostStaging
 from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, DataOptions, Source, build_dataset, reuses_index, saved_indexes
 from ..data.gpu_decode import GpuDecoder, collate_encoded
+from ..data.text import TextSource
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
 from ..store.chunks import Plan
@@ -39,11 +40,14 @@ from .interrupt import Interrupted, LoaderWorkerSignals, PeerStopped, StopReques
 from .launcher import watch_launcher
 from .lifecycle import StoreLife
 from .memory import keep_freed_memory
-from .plan import ChunkBatchSampler, assign, default_chunk_size
+from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, ChunkBatchSampler, assign, default_chunk_size
 from .progress import JobProgress
 from .spec import JobSpec
+from .text import TextBatch, TextBatches, Tokenized, tokenize
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
+TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
 Log = Callable[[str], None]
 
 
@@ -56,6 +60,7 @@ class Summary:
     bytes_stored: int
     raw_bytes: int
     invalid: int = 0
+    unit: str = "img"  # what a row is: img, doc or tok
 
     @property
     def images_per_second(self) -> float:
@@ -77,9 +82,11 @@ class Summary:
         }
 
     def line(self) -> str:
-        skipped = f"; {self.invalid} bad images skipped (valid=False)" if self.invalid else ""
+        what = "documents" if self.unit != "img" else "images"
+        skipped = f"; {self.invalid} bad {what} skipped (valid=False)" if self.invalid else ""
+        rows = {"img": "samples", "doc": "documents", "tok": "tokens"}[self.unit]
         return (
-            f"extract: {self.samples} samples in {self.seconds:.1f} s ({self.images_per_second:.1f} img/s); "
+            f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.images_per_second:.1f} {self.unit}/s); "
             f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
             f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
         )
@@ -149,6 +156,26 @@ class _Data:
 
 
 @dataclass
+class _Text:
+    """Stage 2b, text jobs: the corpus's offsets, tokenized now or read back from the store being resumed."""
+
+    offsets: np.ndarray
+    context_length: int
+    per_token: bool
+    tokens_per_batch: int
+    tokenized: Tokenized | None  # None: the store being resumed holds the tokens
+    record: dict[str, Any]  # what decides the token ids: part of the job's identity
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+
+@dataclass
 class _Job:
     """What every rank has agreed on before the loop starts: the stages' results and the store's attributes."""
 
@@ -158,6 +185,11 @@ class _Job:
     data: _Data
     plan: Plan
     attrs: dict[str, Any]
+    text: _Text | None = None
+
+    @property
+    def unit(self) -> str:
+        return "img" if self.text is None else "tok" if self.text.per_token else "doc"
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -177,14 +209,25 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     codecs(spec.compressor)  # an unknown --compressor is refused before the model is built
     model = _model_and_layers(spec, state.device)
     data = _data(spec, state, existing, model)
-    plan = _plan(spec, state, existing, len(data.dataset), model.layers.shapes)
-    return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan).attributes())
+    text = _text(spec, state, existing, model, data) if isinstance(data.dataset, TextSource) else None
+    rows = len(data.dataset) if text is None else text.num_tokens if text.per_token else text.num_documents
+    plan = _plan(spec, state, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
+    return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan, text).attributes(), text)
 
 
 def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
+    loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision)
+    if loaded.kind == "text":  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
+        autocast = contextlib.nullcontext()
+        module = loaded.model.to(device)
+        refs = resolve_layers(module, spec.layers, loaded.aliases)
+        example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
+        text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast)
+        return _Model(
+            loaded, module, refs, text_layers, loaded.preprocessing, precision, autocast, torch.contiguous_format
+        )
     autocast = _autocast(device, precision)
-    loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size)
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
     module = loaded.model.to(device, memory_format=memory_format)
     refs = resolve_layers(module, spec.layers, loaded.aliases)
@@ -195,7 +238,10 @@ def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
 
 def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, model: _Model) -> _Data:
     """The data source, listed once (or read from the index kept with the store being resumed)."""
-    options = DataOptions(spec.image_key, spec.label_key, spec.decode, spec.exif_transpose)
+    options = DataOptions(
+        spec.image_key, spec.label_key, spec.decode, spec.exif_transpose, text_key=spec.text_key,
+        skip_bad=spec.skip_bad_images,
+    )  # fmt: skip
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
     index = saved_index(Path(spec.out), SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
@@ -205,6 +251,7 @@ def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
         spec.data, loaded.preprocess, side, options, preprocessing=model.preprocessing, ranks=state, saved_index=index,
         recorded=recorded,
     )  # fmt: skip
+    _check_kinds(spec, model.loaded.kind, isinstance(dataset, TextSource))
     data = _Data(dataset)
     if index is not None:
         data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
@@ -217,25 +264,84 @@ def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     return data
 
 
+def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
+    """A text model needs text and a vision model images: said before anything is tokenized or written."""
+    if model_kind == "text" and not text_data:
+        raise ExtractError(
+            f"--model {spec.model} is a text model, but --data {spec.data} holds images; "
+            "give it text (text:GLOB of .jsonl, .txt or .parquet, or an hf: dataset with a text column)"
+        )
+    if model_kind != "text" and text_data:
+        raise ExtractError(
+            f"--data {spec.data} holds text, but --model {spec.model} is a vision model; "
+            "use a text model (hf:DIR with a tokenizer) or image data"
+        )
+
+
+def _text(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, model: _Model, data: _Data) -> _Text:
+    """The corpus's token ids: tokenized once, split across ranks, unless the store being resumed was
+    made from the same documents by the same tokenizer at the same context length (then it holds them)."""
+    loaded, layers = model.loaded, model.layers
+    assert isinstance(layers, TextLayerSetup)
+    positions = loaded.max_positions
+    if spec.context_length is not None and positions is not None and spec.context_length > positions:
+        raise ExtractError(
+            f"--context-length {spec.context_length} is beyond the model's {positions} positions; "
+            f"use at most {positions}"
+        )
+    context = spec.context_length or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+    record = {
+        "tokenizer": loaded.tokenizer_record(),
+        "context_length": context,
+        "text_key": spec.text_key,
+        "label_key": spec.label_key,
+        "data": data.dataset.spec,
+        "data_listing_sha256": data.dataset.listing_sha256(),
+    }
+    budget = spec.tokens_per_batch or spec.batch_size * TOKENS_PER_SEQUENCE
+    identity = (existing or {}).get("identity") or {}
+    if not spec.overwrite and identity.get("tokenization") == record:
+        offsets = FeatureStore.open(Path(spec.out), mode="r").array("offsets")[:]
+        return _Text(offsets, context, layers.per_token, budget, None, record)
+    tokenized = tokenize(data.dataset, loaded, context, state)
+    if tokenized.arrays.num_tokens == 0:
+        raise ExtractError(f"--data {spec.data} has no tokens: every document is empty; point it at text")
+    data.notes.extend(tokenized.notes(context))
+    return _Text(tokenized.arrays.offsets, context, layers.per_token, budget, tokenized, record)
+
+
 def _plan(
     spec: JobSpec,
     state: PartialState,
     existing: Mapping[str, Any] | None,
     num_samples: int,
     shapes: Mapping[str, tuple[int, ...]],
+    *,
+    tokens: bool = False,
 ) -> Plan:
     """Without ``--chunk-size`` a store being resumed keeps its chunk size: the default depends on the
-    number of processes, which may differ from the first run's."""
+    number of processes, which may differ from the first run's. ``tokens``: rows are tokens, smaller
+    than images, so a chunk holds more of them."""
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
     resumed = existing.get("chunk_size") if existing and not spec.overwrite else None
-    chunk_size = spec.chunk_size or resumed or default_chunk_size(num_samples, largest, state.num_processes)
+    most = MAX_TOKEN_CHUNK_SIZE if tokens else MAX_CHUNK_SIZE
+    chunk_size = spec.chunk_size or resumed or default_chunk_size(num_samples, largest, state.num_processes, most)
     return Plan(num_samples, chunk_size)
 
 
-def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan) -> JobParts:
+def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: _Text | None = None) -> JobParts:
     """The job's parts as the store's schema takes them: plain values, no model or data source."""
     loaded, layers = model.loaded, model.layers
+    text_parts = None
+    if text is not None:
+        text_parts = {
+            "kind": "tokens" if text.per_token else "documents",
+            "tokenization": text.record,
+            "num_documents": text.num_documents,
+            "num_tokens": text.num_tokens,
+        }
     return JobParts(
+        text=text_parts,
         options=spec.to_dict(), data=data.dataset.spec, weights=loaded.weights,
         checkpoint_sha256=loaded.checkpoint_sha256,
         source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
@@ -348,6 +454,68 @@ def _forward(
         del batches
 
 
+def _text_loop(
+    job: _Job,
+    store: FeatureStore,
+    chunks: list[int],
+    edit: Mapping[str, Edit] | None,
+    stop: StopRequests,
+    forwarded: Callable[[int], None] = lambda rows: None,
+    held: Callable[[], None] = lambda: None,
+) -> None:
+    """``_loop`` for text: token-budget batches of this rank's chunks (``TextBatches``), each forward's
+    rows selected on the device (``TextSelection``) and handed to the writer."""
+    spec, device, text, layers = job.spec, job.state.device, job.text, job.model.layers
+    assert text is not None and isinstance(layers, TextLayerSetup)
+    batches = TextBatches(
+        text.offsets, store.array("token_ids"), job.plan, chunks, per_token=text.per_token,
+        tokens_per_batch=text.tokens_per_batch, max_sequences=spec.batch_size, pad_id=job.model.loaded.pad_id,
+    )  # fmt: skip
+    rows = max(text.tokens_per_batch, text.context_length) if text.per_token else spec.batch_size
+    staging = HostStaging(job.shapes, rows, getattr(torch, spec.dtype), device)
+    threads = spec.writer_threads or default_writer_threads(device)
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads, rows_only=True)
+    stop.defer()
+    try:
+        with (
+            Capture(
+                job.model.module, job.model.refs, reduce=layers.reduce, stop=spec.truncate, edit=edit,
+                sink=staging.stage,
+            ) as cap,
+            torch.inference_mode(),
+        ):  # fmt: skip
+            for batch in batches:
+                if stop.signum is not None:
+                    break
+                held()
+                if not isinstance(batch, TextBatch):  # documents without tokens: their rows are NaN
+                    writer.submit_rows(None, batch)
+                    forwarded(len(batch))
+                    continue
+                _select(layers, batch, device)
+                slot = staging.acquire(writer.check)
+                inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
+                job.model.loaded.call(cap.forward, inputs)
+                staging.seal(slot)
+                writer.submit_rows(slot, batch.rows)
+                forwarded(len(batch.rows))
+        writer.close(complete=stop.signum is None)
+    except BaseException:
+        writer.abort()
+        raise
+    _warn_overflow(writer.overflow)
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, writer.chunks_written)
+
+
+def _select(layers: TextLayerSetup, batch: TextBatch, device: torch.device) -> None:
+    """What every layer's reduction keeps of this batch, on the device."""
+    selection = layers.selection
+    selection.mask = batch.attention_mask.to(device, non_blocking=True)
+    selection.flat = None if batch.flat is None else batch.flat.to(device, non_blocking=True)
+    selection.order = None if batch.order is None else batch.order.to(device, non_blocking=True)
+
+
 def _warn_overflow(overflow: Mapping[str, int]) -> None:
     for layer, count in overflow.items():
         if count:
@@ -401,12 +569,16 @@ def _announce(job: _Job, log: Log) -> None:
 def _create(job: _Job, out: Path, writer: str) -> FeatureStore:
     """The new store at ``out`` (``--out`` with links resolved), its ``writer`` the lock's token from the
     first instant (``store/fence.py``)."""
-    plan, spec = job.plan, job.spec
+    plan, spec, text = job.plan, job.spec, job.text
+    kind, arrays = "images", None
+    if text is not None:
+        assert text.tokenized is not None, "a text store is created from the tokenized corpus"
+        kind, arrays = ("tokens" if text.per_token else "documents"), text.tokenized.arrays
     return FeatureStore.create(
         out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
         layouts=job.model.layers.stored_layouts(), keys=job.data.dataset.keys(),
-        indexes=saved_indexes(job.data.dataset),
+        indexes={} if text is not None else saved_indexes(job.data.dataset), kind=kind, text=arrays,
     )  # fmt: skip
 
 
@@ -416,7 +588,7 @@ def _share(
     """The chunks still to write and each rank's share of them, recorded as this run in the store."""
     main, plan = job.state.is_main_process, job.plan
     pending = store.pending_chunks()
-    if main and resume:  # keys are written at creation: restore those of chunks to redo
+    if main and resume and job.unit != "tok":  # keys are written at creation: restore those of chunks to redo
         store.write_keys(pending, job.data.dataset.keys())
     shares = assign(pending, job.state.num_processes)
     life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
@@ -459,10 +631,10 @@ def _extract(
     raises once the lock is lost."""
     state, plan = job.state, job.plan
     main = state.is_main_process
-    progress = JobProgress(store, plan, pending, enabled=main, own=share)
+    progress = JobProgress(store, plan, pending, enabled=main, own=share, unit=job.unit)
     started = time.time()
     try:
-        _loop(job, store, share, edit, stop, progress.advance, held)
+        (_loop if job.text is None else _text_loop)(job, store, share, edit, stop, progress.advance, held)
     except ExtractError as e:  # met in this rank's own chunks: only this rank can say it
         e.alone = True
         raise
@@ -480,4 +652,5 @@ def _extract(
         bytes_stored=store.stored_bytes() if main else 0,
         raw_bytes=plan.num_samples * job.sample_bytes,
         invalid=int((~store.array("valid")[:]).sum()) if main else 0,
+        unit=job.unit,
     )

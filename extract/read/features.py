@@ -202,17 +202,87 @@ class Features:
     def complete(self) -> bool:
         return self.attrs.get("status") == "complete"
 
+    @property
+    def kind(self) -> str:
+        """``images``, ``documents`` (text, one pooled row per document) or ``tokens`` (one row per token)."""
+        return self.store.kind
+
     @cached_property
     def labels(self) -> np.ndarray:
+        """(N,) int64, -1 where the data had none; in a token store (N_docs,): labels are per document."""
+        if self.kind == "tokens":
+            return self._per_document("labels")
         every = range(self.num_chunks)
         return self._checked("labels", "labels", every, lambda: self.store.array("labels")[:])
 
     @cached_property
     def keys(self) -> np.ndarray:
-        """(N,) str: where each row came from (path relative to the root, ``shard/key``, ``file/row``)."""
+        """(N,) str: where each row came from (path relative to the root, ``shard/key``, ``file/row``); in a
+        token store (N_docs,), the documents' (``file.jsonl/LINE``, ``file.parquet/ROW``, ``split/ROW``)."""
         if not self.store.has("keys"):
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
+        if self.kind == "tokens":
+            return self._per_document("keys")
         return self._checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
+
+    def _per_document(self, name: str) -> np.ndarray:
+        """A token store's per-document array, written whole at creation."""
+        try:
+            return self.store.array(name)[:]
+        except ValueError as e:  # a codec's complaint about a damaged object
+            raise StoreDamagedError(
+                f"{self.path}: '{name}' fails its check ({e}); the store is damaged: rerun the job with --overwrite"
+            ) from None
+
+    def _text_array(self, name: str) -> np.ndarray:
+        if self.kind == "images":
+            raise ExtractError(
+                f"{self.path} is an image store; {name} belong to text stores (kind tokens or documents)"
+            )
+        return self._per_document(name)
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """(N_docs + 1,) int64: document i is tokens ``offsets[i]:offsets[i+1]`` (its rows, in a token store)."""
+        return self._text_array("offsets")
+
+    @cached_property
+    def token_ids(self) -> np.ndarray:
+        """(N_tokens,) int32: every document's token ids as the model saw them, special tokens included."""
+        return self._text_array("token_ids")
+
+    @cached_property
+    def special(self) -> np.ndarray:
+        """(N_tokens,) bool: the tokenizer's special tokens (BOS, CLS, SEP...), for readers to drop."""
+        return self._text_array("special")
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @cached_property
+    def token_documents(self) -> np.ndarray:
+        """(N_tokens,) int64: the document of each token."""
+        return np.repeat(np.arange(self.num_documents), np.diff(self.offsets))
+
+    @cached_property
+    def token_positions(self) -> np.ndarray:
+        """(N_tokens,) int64: each token's position in its document."""
+        return np.arange(int(self.offsets[-1])) - self.offsets[:-1][self.token_documents]
+
+    def document(self, index: int, layer: str | None = None, **load: Any) -> np.ndarray | torch.Tensor:
+        """Document ``index``'s rows of ``layer`` (the only layer when None): (its tokens, D) in a token
+        store, read chunk-wise like ``load`` (which takes the same keyword arguments)."""
+        if self.kind != "tokens":
+            raise ExtractError(f"{self.path} is a {self.kind} store; document(i) reads a token store's rows (use load)")
+        if not -self.num_documents <= index < self.num_documents:
+            raise SampleIndexError(f"document {index} is out of range for {self.num_documents} documents")
+        index %= self.num_documents
+        if layer is None:
+            if len(self.layers) != 1:
+                raise ExtractError(f"name the layer: {self.path} has {', '.join(self.layers)}")
+            layer = self.layers[0]
+        return self.load(layer, slice(int(self.offsets[index]), int(self.offsets[index + 1])), **load)
 
     @property
     def classes(self) -> list[str] | None:
@@ -228,7 +298,10 @@ class Features:
     @cached_property
     def valid(self) -> np.ndarray:
         """(N,) bool: present samples that have features; an image that could not be decoded under
-        ``--skip-bad-images`` is stored as NaN with valid False."""
+        ``--skip-bad-images`` is stored as NaN with valid False. In a token store (N_docs,): the documents
+        that could be read (one that could not has no tokens)."""
+        if self.kind == "tokens":
+            return self._per_document("valid")
         every = range(self.num_chunks)
         return self._checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
 
@@ -356,7 +429,15 @@ class Features:
 
     def load_labels(self, index: Index = None) -> np.ndarray:
         """(n,) int64 labels of the samples ``index`` picks, read now (``labels`` is read once and kept:
-        a store still being written gains labels as its chunks are written)."""
+        a store still being written gains labels as its chunks are written). In a token store ``index``
+        picks documents."""
+        if self.kind == "tokens":
+            picked = _normalize(index, self.num_documents)
+            labels = self.labels
+            if picked.sorted_rows is None:
+                return labels[picked.start : picked.stop]
+            chosen = labels[picked.sorted_rows]
+            return chosen[picked.inverse] if picked.inverse is not None else chosen
         rows = _normalize(index, self.num_samples)
         if rows.sorted_rows is None:
             selection: slice | np.ndarray = slice(rows.start, rows.stop)

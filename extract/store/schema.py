@@ -89,6 +89,8 @@ class JobParts:
     precision: str
     versions: Mapping[str, str]
     image_root: str | None = None  # where the data source's images live (the report's thumbnails)
+    # text jobs: kind (tokens | documents), tokenization (tokenizer, context length, data), num_documents, num_tokens
+    text: Mapping[str, Any] | None = None
 
     def identity(self) -> dict[str, Any]:
         """Everything that decides the stored values and their layout: a store is resumed only by a job
@@ -116,6 +118,9 @@ class JobParts:
         }
         if options.get("layout"):
             identity["layout"] = list(options["layout"])
+        if self.text is not None:  # image stores keep the identity they always had
+            identity["kind"] = self.text["kind"]
+            identity["tokenization"] = dict(self.text["tokenization"])
         return identity
 
     def attributes(self) -> dict[str, Any]:
@@ -139,4 +144,16 @@ class JobParts:
             "feature_shapes": {name: list(shape) for name, shape in self.shapes.items()},
             "versions": dict(self.versions),
             "runs": [],
+            **(self._text_attributes() if self.text is not None else {}),
+        }
+
+    def _text_attributes(self) -> dict[str, Any]:
+        text = self.text or {}
+        tokenization = text["tokenization"]
+        return {
+            "kind": text["kind"],
+            "num_documents": text["num_documents"],
+            "num_tokens": text["num_tokens"],
+            "tokenizer": tokenization["tokenizer"],
+            "context_length": tokenization["context_length"],
         }
