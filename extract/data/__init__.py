@@ -3,8 +3,9 @@
 
 ``build_dataset(spec, preprocess, ...)`` returns a ``Source``: random access to samples (items are
 ``(image, label, index, error)``), their ``keys()``, ``classes``, a listing hash and the folder its
-images live in. The listing is made once per job (rank 0, or split across ranks), not on every rank.
-It is opened at ``job_data(spec)``, the spec with its path resolved, which the job's identity records:
+images live in; or, for text (``text:GLOB``, an ``hf:`` dataset with a text column), a ``TextSource``
+whose ``documents(start, stop)`` streams ``Document``s, with the same keys, classes and hash. The
+listing is made once per job (rank 0, or split across ranks), not on every rank. It is opened at ``job_data(spec)``, the spec with its path resolved, which the job's identity records:
 the same folder given as a relative or an absolute path is the same job.
 """
 
@@ -16,7 +17,7 @@ from ..errors import ExtractError
 from .decode import DECODES, Decoding, Transform
 from .listing import Ranks
 from .registry import DATA_KINDS, open_source, resolve_spec
-from .source import DataOptions, DataRequest, DataSource, Source
+from .source import DataOptions, DataRequest, DataSource, Document, Source, TextSource
 from .synthetic import SyntheticImages
 
 __all__ = [
@@ -24,8 +25,10 @@ __all__ = [
     "DECODES",
     "DataOptions",
     "DataSource",
+    "Document",
     "Source",
     "SyntheticImages",
+    "TextSource",
     "build_dataset",
     "job_data",
     "reuses_index",
@@ -37,7 +40,7 @@ LEGACY_SAVED_INDEX = "wds-index.json.gz"  # where stores made before kept it: a 
 
 def build_dataset(
     spec: str,
-    preprocess: Transform,
+    preprocess: Transform | None,
     image_size: int,
     options: DataOptions | None = None,
     *,
@@ -45,17 +48,23 @@ def build_dataset(
     ranks: Ranks | None = None,
     saved_index: bytes | None = None,
     recorded: str | None = None,
-) -> Source:
+) -> Source | TextSource:
     """Parse ``--data``, list the data once (``ranks``: the process state, to share the listing) and
-    attach the decoding; refuses empty data sets. ``saved_index``: a shard index kept with the store;
+    attach the decoding (images; a text source gets none: the model's tokenizer reads its documents);
+    refuses empty data sets. ``saved_index``: a shard index kept with the store;
     ``recorded``: the data its identity records (see ``job_data``). The source's ``spec`` is the data
     as the job's identity records it."""
     options = options or DataOptions()
     recorded_as = job_data(spec, recorded)
     source = open_source(DataRequest(spec, image_size, options, ranks, saved_index), at=recorded_as)
     if len(source) == 0:
-        raise ExtractError(f"--data {spec} is empty; point it at a folder or list with images")
+        with_what = (
+            "files or a dataset with documents" if isinstance(source, TextSource) else "a folder or list with images"
+        )
+        raise ExtractError(f"--data {spec} is empty; point it at {with_what}")
     source.spec = recorded_as
+    if isinstance(source, TextSource):
+        return source  # no decoding: the model's tokenizer reads the documents
     source.decoding = Decoding(
         preprocess, options.decode, preprocessing=preprocessing, exif_transpose=options.exif_transpose
     )

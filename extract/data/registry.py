@@ -11,17 +11,18 @@ from __future__ import annotations
 import importlib
 
 from ..errors import ExtractError
-from . import filelist, folder, hf, parquet, shards, synthetic, torchvision
-from .source import DataRequest, DataSource, Source
+from . import filelist, folder, hf, parquet, shards, synthetic, text, torchvision
+from .source import DataRequest, DataSource, Source, TextSource
 
 SOURCES: tuple[DataSource, ...] = (
     synthetic.SOURCE, folder.SOURCE, filelist.SOURCE, torchvision.SOURCE, shards.SOURCE, parquet.SOURCE, hf.SOURCE,
+    text.SOURCE,
 )  # fmt: skip
 DATA_KINDS = tuple(source.usage for source in SOURCES)
 _BY_PREFIX = {source.prefix: source for source in SOURCES}
 
 
-def open_source(request: DataRequest, at: str | None = None) -> Source:
+def open_source(request: DataRequest, at: str | None = None) -> Source | TextSource:
     """The source ``request.spec`` names, opened (listed) at its location, or at ``at``: the same spec
     written as the job records it (its path resolved); messages about the spec name it as given."""
     prefix, _, location = (at or request.spec).partition(":")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tarfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,58 @@ class Source(Dataset):
 
 
 @dataclass(frozen=True)
+class Document:
+    """One document of a text source: its text, or its token ids where it came tokenized."""
+
+    text: str | None = None  # None where it came tokenized
+    input_ids: list[int] | None = None  # a field or column ``input_ids`` (a list of ints), as SAELens allows
+    label: int = -1  # -1: none
+    error: str = ""  # why it could not be read (``DataOptions.skip_bad``; then ``text`` is "")
+
+
+class TextSource:
+    """The documents of a text corpus, listed once; ``documents(start, stop)`` streams them.
+
+    A text source is read in order, not at random: files are streamed (jsonl lines, Parquet row
+    groups), so that memory stays bounded whatever the corpus size. It answers the questions the run
+    asks every source (keys, classes, a listing hash, a notice, an image root) as ``Source`` does.
+    Subclasses implement ``__len__``, ``key``, ``describe``, ``listing_sha256`` and ``documents``.
+    """
+
+    classes: list[str] | None = None  # names of a ClassLabel (or a Parquet dictionary column)
+    spec: str = ""  # set by build_dataset: the --data it was opened at, its path resolved
+    notice: str | None = None
+    image_root: Path | None = None  # documents are no image files: the report shows no thumbnails
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def key(self, index: int) -> str:
+        """Where document ``index`` came from: ``file.jsonl/LINE`` (0-based), ``file.txt``,
+        ``file.parquet/ROW``, ``split/ROW``."""
+        raise NotImplementedError
+
+    def keys(self) -> list[str]:
+        return [self.key(i) for i in range(len(self))]
+
+    def describe(self, index: int) -> str:
+        """Document ``index`` for messages (a full path)."""
+        return self.key(index)
+
+    def listing_sha256(self) -> str:
+        """A hash that changes when the files or their contents change."""
+        raise NotImplementedError
+
+    def documents(self, start: int, stop: int) -> Iterator[Document]:
+        """Documents ``start`` .. ``stop - 1`` in order, streamed: each file opened once per call."""
+        raise NotImplementedError
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= len(self):
+            raise ValueError(f"documents({start}, {stop}) of a source of {len(self)} documents")
+
+
+@dataclass(frozen=True)
 class DataOptions:
     image_key: str | None = None
     label_key: str | None = None
@@ -169,7 +221,7 @@ class DataSource:
     prefix: str
     location: str  # how the part after the prefix is written, for messages and --help: "PATTERN_OR_DIR"
     example: str  # a --data value of this kind
-    open: Callable[[str, DataRequest], Source]
+    open: Callable[[str, DataRequest], Source | TextSource]
     library: str | None = None
     extra: str | None = None
     # the location with its path resolved, so that one folder given two ways is one job; None: no path
