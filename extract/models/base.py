@@ -11,7 +11,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ class ModelRequest:
     image_size: int | None
     load_weights: bool
     hub_offline: bool = False  # the Hugging Face hub is not reachable: read its cache only (see hub_offline())
+    precision: str | None = None  # fp32 | bf16 | fp16: the dtype text models load their weights in (None: fp32)
 
     @property
     def random_init(self) -> bool:
@@ -48,8 +49,11 @@ class LoadedModel:
     ``input_name`` is the keyword the model takes its pixels by (``pixel_values`` for transformers),
     ``None`` for a positional argument. ``aliases`` are extra layer names (``hidden_states.N``) and
     ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
-    knows it and the shapes cannot tell (see ``extract.capture.layout``).
+    knows it and the shapes cannot tell (see ``extract.capture.layout``). ``kind`` says what it
+    takes: ``"image"`` here, ``"text"`` for ``extract.models.hf_text.TextModel``.
     """
+
+    kind: ClassVar[str] = "image"
 
     model: nn.Module
     preprocess: Transform

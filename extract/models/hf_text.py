@@ -1,0 +1,254 @@
+"""``--model hf:ID_OR_DIR`` for text: a transformers language model with its own ``AutoTokenizer``.
+
+Which ``hf:`` models are text is decided in ``extract.models.hf`` (``is_text_model``): a config that
+is not a vision one, with tokenizer files next to it. Which class loads it (``text_model_class``):
+
+- a causal LM (an architecture of ``config.architectures`` is one of transformers' causal-LM classes
+  or ends with ``ForCausalLM``; without architectures, a ``model_type`` with a causal-LM class and no
+  masked-LM one) loads with ``AutoModelForCausalLM``, so that its module names are the ones its users
+  see (``transformer.h.N``, ``model.layers.N``, ``lm_head``);
+- an encoder-decoder with an encoder class (T5) loads its encoder alone (``T5EncoderModel``);
+- any other (BERT, MiniLM...) loads with ``AutoModel``.
+
+Weights are loaded in the dtype ``--precision`` names (fp32 when none: the runner passes bf16 on
+CUDA), not autocast over fp32 weights, which would double the memory of a large model. A random
+init (``--weights none``, ``--checkpoint``, ``--list-layers``) is made in fp32 from the seed, then
+cast, so that one seed gives the same weights at every precision.
+
+``TextModel.encode`` tokenizes one document exactly as ``tokenizer(text, truncation=True,
+max_length=T)`` does, special tokens included, and counts what truncation dropped.
+
+transformers is imported only when a model is built (see ``ModelSource``)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..errors import ExtractError
+from .base import LoadedModel, ModelRequest
+from .hf import _load, hidden_state_aliases
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TEXT_PARTS = "model and tokenizer"  # what a save_pretrained directory of a text model holds, for messages
+SPECIAL_TOKENS = ("bos", "eos", "pad", "cls", "sep")
+
+
+@dataclass
+class Encoded:
+    """One document as the model sees it."""
+
+    ids: np.ndarray  # int32 token ids, special tokens included
+    special: np.ndarray  # bool, one per id: BOS, CLS, SEP... (the tokenizer's special-tokens mask)
+    dropped: int  # content tokens cut by truncation (0 when it fit)
+
+
+@dataclass
+class TextModel(LoadedModel):
+    """A text model in eval mode with its own tokenizer. It takes ``input_ids`` and
+    ``attention_mask`` (``example``, ``call``); ``preprocess`` is ``None`` (tokenizing is
+    ``encode``, not a transform of images) and ``input_size`` is (1, 1)."""
+
+    tokenizer: Any = None  # the model's own AutoTokenizer
+    max_positions: int | None = None  # the positions the model has (None: unbounded)
+    kind: ClassVar[str] = "text"
+    _backend: Any = field(default=None, init=False, repr=False, compare=False)
+    _call_options: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _record: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            # an own copy: transformers leaves its backend's truncation set to the last call's
+            from tokenizers import Tokenizer
+
+            self._backend = Tokenizer.from_str(backend.to_str())
+            self._backend.no_truncation()
+            self._backend.no_padding()
+        # the cache of past keys and values is never read here, and costs memory
+        parameters = inspect.signature(self.model.forward).parameters
+        self._call_options = {"use_cache": False} if "use_cache" in parameters else {}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def pad_id(self) -> int:
+        """The id padding is filled with (masked, and never stored): pad, else eos, else 0."""
+        for value in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if value is not None:
+                return int(value)
+        return 0
+
+    def encode(self, text: str | None, input_ids: Sequence[int] | None, context_length: int) -> Encoded:
+        """One document: ``text`` tokenized with the model's special tokens, or ``input_ids`` taken
+        as given; either cut to ``context_length`` tokens. Exactly one of the two is given."""
+        if (text is None) == (input_ids is None):
+            raise ValueError("encode takes text or input_ids, exactly one of them")
+        if context_length < 1:
+            raise ValueError(f"context_length {context_length}: it must be at least 1")
+        if input_ids is not None:
+            return self._encode_ids(input_ids, context_length)
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, not {type(text).__name__}")
+        if self._backend is None:
+            return self._encode_slow(text, context_length)
+        room = context_length - self._backend.num_special_tokens_to_add(False)
+        if room < 0:
+            raise ExtractError(
+                f"--context-length {context_length} leaves no room for the "
+                f"{context_length - room} special tokens {type(self.tokenizer).__name__} adds; give a larger one"
+            )
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        content = len(encoding.ids)
+        if content > room:
+            encoding.truncate(room, direction=self.tokenizer.truncation_side)
+        # the tokenizer's own post-processor adds its special tokens and says which they are
+        full = self._backend.post_process(encoding, add_special_tokens=True)
+        return Encoded(
+            np.asarray(full.ids, dtype=np.int32),
+            np.asarray(full.special_tokens_mask, dtype=bool),
+            content - len(encoding.ids),
+        )
+
+    def _encode_slow(self, text: str, context_length: int) -> Encoded:
+        """A tokenizer without a ``tokenizers`` backend: its own call, and a second for the count."""
+        encoded = self.tokenizer(text, truncation=True, max_length=context_length, return_special_tokens_mask=True)
+        special = np.asarray(encoded["special_tokens_mask"], dtype=bool)
+        content = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return Encoded(
+            np.asarray(encoded["input_ids"], dtype=np.int32), special, max(content - int((~special).sum()), 0)
+        )
+
+    def _encode_ids(self, input_ids: Sequence[int], context_length: int) -> Encoded:
+        ids = np.asarray(input_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"input_ids must be a list of integers, not {ids.dtype} of shape {list(ids.shape)}")
+        vocab = self.vocab_size
+        outside = (ids < 0) | (ids >= vocab)
+        if outside.any():
+            raise ValueError(f"token id {int(ids[outside][0])} is outside the vocabulary (0..{vocab - 1})")
+        kept = ids[:context_length].astype(np.int32)
+        special = np.isin(kept, np.asarray(self.tokenizer.all_special_ids, dtype=np.int64))
+        return Encoded(kept, special, len(ids) - len(kept))
+
+    def tokenizer_record(self) -> dict[str, Any]:
+        """Which tokenizer it is, for the store: class, name, vocabulary size, the special ids, and
+        the sha256 of its saved files (what decides the ids; computed once)."""
+        if self._record is None:
+            tokenizer = self.tokenizer
+            self._record = {
+                "class": type(tokenizer).__name__,
+                "name_or_path": str(tokenizer.name_or_path),
+                "vocab_size": self.vocab_size,
+                "sha256": tokenizer_sha256(tokenizer),
+                "special_ids": {name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL_TOKENS},
+            }
+        return dict(self._record)
+
+    def example(
+        self, batch: int = 2, device: torch.device | str = "cpu", length: int = 8, scale: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """A batch of ``batch`` sequences of ``length * scale`` ordinary (not special) tokens, no padding."""
+        length = length * scale
+        if self.max_positions is not None:
+            length = min(length, self.max_positions)
+        specials = set(self.tokenizer.all_special_ids)
+        ordinary = [i for i in range(min(self.vocab_size, 4096)) if i not in specials] or [0]
+        ids = torch.tensor(ordinary, dtype=torch.long)[torch.arange(batch * length) % len(ordinary)]
+        ids = ids.view(batch, length).to(device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def call(self, module: Callable[..., Any], inputs: dict[str, torch.Tensor]) -> Any:  # type: ignore[override]
+        """Run ``module`` (the model, or a capture's forward) on tokenized inputs, without a cache."""
+        return module(**inputs, **self._call_options)
+
+    @property
+    def preprocessing(self) -> dict[str, Any]:
+        return {"source": self.source, "tokenizer": self.tokenizer_record()}
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """The sha256 of the files ``save_pretrained`` writes for ``tokenizer``, by name in sorted order
+    (each name, then its bytes): the same tokenizer gives the same hash wherever it was loaded from."""
+    digest = hashlib.sha256()
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _is_causal_lm(config: Any) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    architectures = list(getattr(config, "architectures", None) or ())
+    if architectures:
+        causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        return any(name in causal or name.endswith("ForCausalLM") for name in architectures)
+    # BERT and its kin have a causal-LM head class too, but are encoders first
+    model_type = getattr(config, "model_type", None)
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def text_model_class(config: Any) -> Any:
+    """The transformers auto class a text config loads with (the rule is in the module docstring)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForTextEncoding
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES
+
+    if _is_causal_lm(config):
+        return AutoModelForCausalLM
+    if getattr(config, "is_encoder_decoder", False) and config.model_type in MODEL_FOR_TEXT_ENCODING_MAPPING_NAMES:
+        return AutoModelForTextEncoding
+    return AutoModel
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the model's position embeddings take (None: no such bound in the config)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def build(name: str, request: ModelRequest) -> TextModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    if request.image_size is not None:
+        raise ExtractError(f"--image-size does not apply to hf:{name}: it is a text model (drop --image-size)")
+    if request.weights.lower() not in ("default", "none"):
+        raise ExtractError(f"--weights {request.weights}: hf models take DEFAULT (the saved weights) or none")
+    dtype = DTYPES[request.precision or "fp32"]
+    offline = request.hub_offline
+    tokenizer = _load("the tokenizer", name, AutoTokenizer.from_pretrained, offline, TEXT_PARTS)
+    config = _load("the config", name, AutoConfig.from_pretrained, offline, TEXT_PARTS)
+    auto = text_model_class(config)
+    if request.load_weights and request.weights.lower() == "default":
+
+        def load(source: str, **options: Any) -> Any:
+            return auto.from_pretrained(source, dtype=dtype, **options)
+
+        model = _load("the weights", name, load, offline, TEXT_PARTS)
+        description = f"hf:{name}"
+    else:
+        model = auto.from_config(config).to(dtype)
+        description = f"none (random init, seed {request.seed}; config of hf:{name})"
+    model.eval()
+    loaded = TextModel(
+        model, None, (1, 1), description, input_name="input_ids", tokenizer=tokenizer,  # type: ignore[arg-type]
+        max_positions=max_positions(config),
+    )  # fmt: skip
+    loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call)
+    return loaded
