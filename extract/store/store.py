@@ -265,7 +265,7 @@ class _Skeleton:
         def whole(name: str, values: np.ndarray, chunk: int, dimension: str, **options: Any) -> None:
             group.create_array(
                 name, shape=values.shape, chunks=(max(1, min(chunk, len(values))),), dtype=options.pop("dtype", values.dtype),
-                compressors=zstd, dimension_names=(dimension,), **options,
+                compressors=zstd, dimension_names=(dimension,), config={"write_empty_chunks": True}, **options,
             )[:] = values  # fmt: skip
 
         whole("offsets", text.offsets.astype(np.int64), TEXT_CHUNK, "document_edge")
