@@ -463,7 +463,7 @@ class Features:
         wanted = rows.sorted_rows
         if wanted.size == 0:
             return
-        edges = np.arange(wanted[0] - wanted[0] % span, wanted[-1] + span, span)
+        edges = np.arange(wanted[0] - wanted[0] % span, wanted[-1] + 1 + span, span)  # an edge past the last row
         bounds = np.searchsorted(wanted, edges)
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             if lo == hi:
