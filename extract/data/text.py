@@ -238,15 +238,18 @@ def _is_token_ids(kind: pa.DataType) -> bool:
 
 def _parquet_text_column(path: str, schema: pa.Schema, text_key: str | None) -> str:
     names = ", ".join(schema.names)
-    column = text_key or ("text" if "text" in schema.names else TOKENS)
+    strings = [f.name for f in schema if _is_string(f.type)]
+    use = strings[0] if len(strings) == 1 else "NAME"
+    column = text_key or ("text" if "text" in schema.names or TOKENS not in schema.names else TOKENS)
     if column not in schema.names:
-        flag = "--text-key" if text_key else "the default, or input_ids"
-        raise ExtractError(f"--data text: {path} has no column '{column}' ({flag}); it has {names}; use --text-key")
+        which = "(--text-key)" if text_key else f"(nor '{TOKENS}')"
+        raise ExtractError(
+            f"--data text: {path} has no column '{column}' {which}; it has {names}; use --text-key {use}"
+        )
     kind = schema.field(column).type
     if column == TOKENS and not _is_token_ids(kind):
         raise ExtractError(f"--data text: {path} column '{column}' holds {kind}, not a list of integer token ids")
     if column != TOKENS and not _is_string(kind):
-        strings = [f.name for f in schema if _is_string(f.type)]
         hint = f"; the text may be in {', '.join(strings)} (--text-key)" if strings else ""
         raise ExtractError(f"--data text: {path} column '{column}' holds {kind}, not text (a string column){hint}")
     return column
