@@ -352,3 +352,18 @@ def test_a_call_opens_each_file_it_reads_once(corpus, monkeypatch):
     monkeypatch.setattr("builtins.open", counting_open)
     assert len(list(source.documents(0, 10))) == 10
     assert opened == [f"{corpus}/a.jsonl"]
+
+
+def test_a_file_that_changed_since_the_listing_is_named(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:4])
+    pq.write_table(pa.table({"text": list(DOCS[:6])}), tmp_path / "b.parquet", row_group_size=3)
+    source = _source(f"text:{tmp_path}/*")
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:2])
+    assert _error(lambda: list(source.documents(0, 4))) == (
+        f"{tmp_path}/a.jsonl has 2 lines, 4 when it was listed; it changed"
+    )
+    pq.write_table(pa.table({"text": list(DOCS[:2])}), tmp_path / "b.parquet")
+    message = _error(lambda: list(source.documents(4, 10)))
+    assert message.startswith(f"cannot read {tmp_path}/b.parquet (") and message.endswith(
+        "it changed since it was listed"
+    )

@@ -486,6 +486,7 @@ class TextFiles(TextSource):
         return text_document(record[name], name, name == TOKENS, label, lambda: where)
 
     def _parquet(self, file: TextFile, lo: int, hi: int) -> Iterator[Document]:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         assert file.column is not None
@@ -494,20 +495,27 @@ class TextFiles(TextSource):
         last = bisect.bisect_left(group_starts, hi)  # groups first .. last-1 hold rows lo .. hi-1
         columns = [file.column, *([self.label_key] if self.label_key is not None else [])]
         row = group_starts[first]
-        parquet = pq.ParquetFile(file.path)
-        for batch in parquet.iter_batches(PARQUET_BATCH, row_groups=list(range(first, last)), columns=columns):
-            skip = max(lo - row, 0)
-            take = min(batch.num_rows, hi - row) - skip
-            if take > 0:
-                part = batch.slice(skip, take)
-                labels = self._column_labels(file, part, row + skip)
-                for offset, value in enumerate(part.column(0).to_pylist()):
-                    at = row + skip + offset
-                    where = lambda at=at: f"{file.path} row {at}"  # noqa: E731 - built only for a message
-                    yield text_document(value, file.column, file.column == TOKENS, labels[offset], where)
-            row += batch.num_rows
-            if row >= hi:
-                break
+        try:
+            batches = pq.ParquetFile(file.path).iter_batches(
+                PARQUET_BATCH, row_groups=list(range(first, last)), columns=columns
+            )
+            for batch in batches:
+                skip = max(lo - row, 0)
+                take = min(batch.num_rows, hi - row) - skip
+                if take > 0:
+                    part = batch.slice(skip, take)
+                    labels = self._column_labels(file, part, row + skip)
+                    for offset, value in enumerate(part.column(0).to_pylist()):
+                        at = row + skip + offset
+                        where = lambda at=at: f"{file.path} row {at}"  # noqa: E731 - built only for a message
+                        yield text_document(value, file.column, file.column == TOKENS, labels[offset], where)
+                row += batch.num_rows
+                if row >= hi:
+                    break
+        except pa.ArrowException as e:
+            raise ExtractError(f"cannot read {file.path} ({e}); it changed since it was listed") from None
+        if row < hi:
+            raise ExtractError(f"{file.path} has {row} rows, {file.count} when it was listed; it changed")
 
     def _column_labels(self, file: TextFile, batch: pa.RecordBatch, first: int) -> list[int]:
         if self.label_key is None:
