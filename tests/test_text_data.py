@@ -367,3 +367,56 @@ def test_a_file_that_changed_since_the_listing_is_named(tmp_path):
     assert message.startswith(f"cannot read {tmp_path}/b.parquet (") and message.endswith(
         "it changed since it was listed"
     )
+
+
+def _listed_by_rank(rank: int, spec: str, init: str, out: Path) -> None:
+    """In a forked child: join a 2-rank gloo group, list ``spec`` split across the ranks and write what it got."""
+    import torch.distributed as dist
+
+    from extract.data.registry import open_source
+    from extract.data.source import DataRequest
+
+    scanned = []
+    real_scan = text_module._scan
+    text_module._scan = lambda file, *a: scanned.append(file.name) or real_scan(file, *a)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    ranks = type("Ranks", (), {"process_index": rank, "num_processes": 2})()
+    try:
+        source = open_source(DataRequest(spec, 0, DataOptions(), ranks))
+        result = {"keys": source.keys(), "hash": source.listing_sha256(), "scanned": scanned}
+    except ExtractError as e:
+        result = {"error": str(e)}
+    out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _two_ranks(tmp_path: Path, spec: str, name: str) -> list[dict]:
+    children = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _listed_by_rank(rank, spec, f"file://{tmp_path / name}.init", tmp_path / f"{name}{rank}.json")
+                code = 0
+            finally:
+                os._exit(code)
+        children.append(pid)
+    assert all(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 for pid in children)
+    return [json.loads((tmp_path / f"{name}{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_two_ranks_split_the_listing_and_get_the_same_source(corpus, tmp_path):
+    spec = f"text:{corpus}/**/*"
+    alone = _source(spec)
+    ranks = _two_ranks(tmp_path, spec, "good")
+    assert [r["keys"] for r in ranks] == [alone.keys()] * 2
+    assert [r["hash"] for r in ranks] == [alone.listing_sha256()] * 2
+    names = [f.name for f in alone.files]
+    assert [r["scanned"] for r in ranks] == [names[0::2], names[1::2]]
+    # a bad file scanned by rank 1 stops both ranks with the same line
+    (tmp_path / "bad").mkdir()
+    write_jsonl(tmp_path / "bad" / "a.jsonl", DOCS[:2])
+    (tmp_path / "bad" / "b.jsonl.gz").write_bytes(b"not gzip")
+    errors = [r["error"] for r in _two_ranks(tmp_path, f"text:{tmp_path}/bad/*", "bad")]
+    assert errors[0] == errors[1] and "b.jsonl.gz is not a readable gzip file" in errors[0]
