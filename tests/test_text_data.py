@@ -323,6 +323,19 @@ def test_bad_listings_are_refused_naming_the_culprit(tmp_path):
 def test_bad_hf_text_datasets_are_refused(tmp_path):
     import datasets
 
+    datasets.Dataset.from_dict({"text": ["x", "y"], "label": ["cat", "dog"], "input_ids": ["1", "2"]}).save_to_disk(
+        tmp_path / "named"
+    )
+    named = _source(f"hf:{tmp_path / 'named'}")
+    assert [d.label for d in named.documents(0, 2)] == [-1, -1] and named.classes is None
+    assert (
+        named.notice
+        == "column 'label' holds Value('string'), not class ids: no labels are stored (--label-key names another)"
+    )
+    assert "column 'input_ids' (--text-key) holds Value('string'), not a list of integer token ids" in _error(
+        lambda: _source(f"hf:{tmp_path / 'named'}", text_key="input_ids")
+    )
+
     datasets.Dataset.from_dict({"a": list(DOCS[:2]), "b": list(DOCS[2:4]), "n": [1, 2]}).save_to_disk(tmp_path / "ds")
     assert "several text columns (a, b); choose one with --text-key" in _error(lambda: _source(f"hf:{tmp_path / 'ds'}"))
     assert "no column 'text' (--text-key); it has a, b, n" in _error(
