@@ -345,7 +345,7 @@ def test_unknown_data_lists_every_declared_kind():
         build_dataset("nowhere:1", lambda image: image, 32)
     assert str(error.value) == (
         "unknown --data 'nowhere:1'; use one of synthetic:N, imagefolder:PATH, filelist:FILE, "
-        "torchvision:NAME:ROOT[:split], wds:PATTERN_OR_DIR, parquet:GLOB, hf:PATH[:split]"
+        "torchvision:NAME:ROOT[:split], wds:PATTERN_OR_DIR, parquet:GLOB, hf:PATH[:split], text:GLOB"
     )
 
 

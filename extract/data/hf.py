@@ -108,7 +108,7 @@ def _text_column(path: str, features: Any, options: DataOptions) -> str | None:
         feature = features.get(options.text_key)
         if feature is None:
             raise ExtractError(f"--data hf:{path}: no column '{options.text_key}' (--text-key); it has {names}")
-        if not (_is_string(feature) or (options.text_key == TOKENS and _is_token_ids(feature))):
+        if not (_is_token_ids(feature) if options.text_key == TOKENS else _is_string(feature)):
             wanted = "a list of integer token ids" if options.text_key == TOKENS else "text (a string column)"
             raise ExtractError(
                 f"--data hf:{path}: column '{options.text_key}' (--text-key) holds {feature}, not {wanted}"
@@ -120,7 +120,7 @@ def _text_column(path: str, features: Any, options: DataOptions) -> str | None:
         return "text"
     if _is_token_ids(features.get(TOKENS)):
         return TOKENS
-    strings = [name for name, feature in features.items() if _is_string(feature)]
+    strings = [name for name, feature in features.items() if _is_string(feature) and name != TOKENS]
     if len(strings) > 1:
         raise ExtractError(f"--data hf:{path}: several text columns ({', '.join(strings)}); choose one with --text-key")
     return strings[0] if strings else None

@@ -238,15 +238,18 @@ def _is_token_ids(kind: pa.DataType) -> bool:
 
 def _parquet_text_column(path: str, schema: pa.Schema, text_key: str | None) -> str:
     names = ", ".join(schema.names)
-    column = text_key or ("text" if "text" in schema.names else TOKENS)
+    strings = [f.name for f in schema if _is_string(f.type)]
+    use = strings[0] if len(strings) == 1 else "NAME"
+    column = text_key or ("text" if "text" in schema.names or TOKENS not in schema.names else TOKENS)
     if column not in schema.names:
-        flag = "--text-key" if text_key else "the default, or input_ids"
-        raise ExtractError(f"--data text: {path} has no column '{column}' ({flag}); it has {names}; use --text-key")
+        which = "(--text-key)" if text_key else f"(nor '{TOKENS}')"
+        raise ExtractError(
+            f"--data text: {path} has no column '{column}' {which}; it has {names}; use --text-key {use}"
+        )
     kind = schema.field(column).type
     if column == TOKENS and not _is_token_ids(kind):
         raise ExtractError(f"--data text: {path} column '{column}' holds {kind}, not a list of integer token ids")
     if column != TOKENS and not _is_string(kind):
-        strings = [f.name for f in schema if _is_string(f.type)]
         hint = f"; the text may be in {', '.join(strings)} (--text-key)" if strings else ""
         raise ExtractError(f"--data text: {path} column '{column}' holds {kind}, not text (a string column){hint}")
     return column
@@ -483,6 +486,7 @@ class TextFiles(TextSource):
         return text_document(record[name], name, name == TOKENS, label, lambda: where)
 
     def _parquet(self, file: TextFile, lo: int, hi: int) -> Iterator[Document]:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         assert file.column is not None
@@ -491,20 +495,27 @@ class TextFiles(TextSource):
         last = bisect.bisect_left(group_starts, hi)  # groups first .. last-1 hold rows lo .. hi-1
         columns = [file.column, *([self.label_key] if self.label_key is not None else [])]
         row = group_starts[first]
-        parquet = pq.ParquetFile(file.path)
-        for batch in parquet.iter_batches(PARQUET_BATCH, row_groups=list(range(first, last)), columns=columns):
-            skip = max(lo - row, 0)
-            take = min(batch.num_rows, hi - row) - skip
-            if take > 0:
-                part = batch.slice(skip, take)
-                labels = self._column_labels(file, part, row + skip)
-                for offset, value in enumerate(part.column(0).to_pylist()):
-                    at = row + skip + offset
-                    where = lambda at=at: f"{file.path} row {at}"  # noqa: E731 - built only for a message
-                    yield text_document(value, file.column, file.column == TOKENS, labels[offset], where)
-            row += batch.num_rows
-            if row >= hi:
-                break
+        try:
+            batches = pq.ParquetFile(file.path).iter_batches(
+                PARQUET_BATCH, row_groups=list(range(first, last)), columns=columns
+            )
+            for batch in batches:
+                skip = max(lo - row, 0)
+                take = min(batch.num_rows, hi - row) - skip
+                if take > 0:
+                    part = batch.slice(skip, take)
+                    labels = self._column_labels(file, part, row + skip)
+                    for offset, value in enumerate(part.column(0).to_pylist()):
+                        at = row + skip + offset
+                        where = lambda at=at: f"{file.path} row {at}"  # noqa: E731 - built only for a message
+                        yield text_document(value, file.column, file.column == TOKENS, labels[offset], where)
+                row += batch.num_rows
+                if row >= hi:
+                    break
+        except pa.ArrowException as e:
+            raise ExtractError(f"cannot read {file.path} ({e}); it changed since it was listed") from None
+        if row < hi:
+            raise ExtractError(f"{file.path} has {row} rows, {file.count} when it was listed; it changed")
 
     def _column_labels(self, file: TextFile, batch: pa.RecordBatch, first: int) -> list[int]:
         if self.label_key is None:
