@@ -191,7 +191,10 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 
 
 def _is_causal_lm(config: Any) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     architectures = list(getattr(config, "architectures", None) or ())
     if architectures:
