@@ -81,6 +81,11 @@ def test_input_ids_are_taken_as_given_and_checked_against_the_vocabulary(dirs, l
     whole = model.encode(None, np.asarray(ids, dtype=np.int64), 10_000)
     assert whole.ids.tolist() == ids and whole.dropped == 0 and whole.special.tolist()[-1]
     assert model.encode(None, [], 8).ids.size == 0
+    for doc in [*real_documents(10), "a snowman \u2603 is unknown"]:  # given ids get the mask their text gets
+        text = model.encode(doc, None, 64)
+        given = model.encode(None, tokenizer(doc, truncation=True, max_length=64)["input_ids"], 64)
+        assert given.ids.tolist() == text.ids.tolist() and given.special.tolist() == text.special.tolist()
+    assert tokenizer.unk_token_id in text.ids  # the snowman: content, not special
     with pytest.raises(ValueError, match=r"^token id 5000 is outside the vocabulary \(0\.\.399\)$"):
         model.encode(None, [5, 6, 5000, 7], 8)
     with pytest.raises(ValueError, match=r"token id -1 is outside"):
