@@ -20,7 +20,8 @@ from .layout import Layout, infer_layout, selected_shape
 from .pooling import Pool, PoolShapeError, make_pool, per_layer
 from .tokens import TEXT_POOLS, TextReduce, TextSelection, TextShapeError
 
-Run = Callable[[torch.Tensor], Any]
+Run = Callable[[Any], Any]
+Example = torch.Tensor | Mapping[str, torch.Tensor]  # a batch of pixels, or of tokenized text (input_ids...)
 
 
 class ModelRunner(Protocol):
@@ -161,13 +162,14 @@ def _capture(
 def list_layers(
     model: nn.Module,
     run: Run,
-    example: torch.Tensor,
-    larger: torch.Tensor,
+    example: Example,
+    larger: Example,
     aliases: Mapping[str, LayerRef] | None = None,
     hints: Mapping[str, str] | None = None,
 ) -> list[tuple[str, str, str, str]]:
     """(name, class, output shape, layout) for every submodule and alias, from a forward of
-    ``example`` (and one of ``larger``, which tells the layouts; see ``extract.capture.layout``)."""
+    ``example`` (and one of ``larger``, which tells the layouts; see ``extract.capture.layout``):
+    images, or a mapping of text inputs (a larger one has more tokens)."""
     try:
         small = output_shapes(model, run, example)
     except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
@@ -182,7 +184,7 @@ def list_layers(
         target = ref.module if ref.selector is None else f"{ref.module}:{ref.selector}"
         listed.append((alias, ref, f"-> {target}"))
     return [
-        (name, kind, *_shape_and_layout(ref, modules[ref.module], small, large, len(example), hints))
+        (name, kind, *_shape_and_layout(ref, modules[ref.module], small, large, batch_size(example), hints))
         for name, ref, kind in listed
     ]
 
@@ -212,13 +214,20 @@ def _shape_and_layout(
     return describe(shown, batch), str(layout or "")
 
 
-def model_failed(example: torch.Tensor | Mapping[str, torch.Tensor], error: BaseException) -> ExtractError:
+def batch_size(example: Example) -> int:
+    """The number of samples in a batch of pixels or of text inputs."""
+    if isinstance(example, Mapping):
+        return len(next(iter(example.values())))
+    return len(example)
+
+
+def model_failed(example: Example, error: BaseException) -> ExtractError:
     """The model's own exception on a dummy batch, as one line that names the input it failed on."""
     first = (str(error).strip().splitlines() or [""])[0]
     if isinstance(example, Mapping):
-        batch, length = example["input_ids"].shape
+        ids = example.get("input_ids", next(iter(example.values())))
         return ExtractError(
-            f"the model fails on a batch of {batch} sequences of {length} tokens ({error.__class__.__name__}: {first})"
+            f"the model fails on input_ids {shape_text(ids.shape, len(ids))} ({error.__class__.__name__}: {first})"
         )
     return ExtractError(
         f"the model fails on a {shape_text(example.shape, len(example))} input ({error.__class__.__name__}: {first}); "

@@ -116,15 +116,21 @@ def default_writer_threads(device: torch.device) -> int:
 
 def print_layers(spec: JobSpec, out: Log = print) -> None:
     """Every module (and alias) with its class, output shape for a batch B, and layout; builds the
-    architecture only, so nothing is downloaded."""
+    architecture only, so nothing is downloaded. Text models run B sequences of T tokens (and 2T,
+    which tells the token axis for the layouts)."""
     loaded = build_model(spec.model, spec.weights, None, spec.seed, spec.image_size, load_weights=False)
     model = loaded.model
     rows = list_layers(
         model, lambda x: loaded.call(model, x), loaded.example(2), loaded.example(2, scale=2),
         loaded.aliases, loaded.layout_hints,
     )  # fmt: skip
-    height, width = loaded.input_size
-    out(f"# {spec.model}: output shapes for a batch of B images of 3x{height}x{width}; layout where 3-D or 4-D")
+    if loaded.kind == "text":
+        tokens = loaded.example(1)["input_ids"].shape[1]
+        shown = f"a batch of B sequences of T tokens (T = {tokens} here)"
+        out(f"# {spec.model}: output shapes for {shown}; layout where 3-D or 4-D")
+    else:
+        height, width = loaded.input_size
+        out(f"# {spec.model}: output shapes for a batch of B images of 3x{height}x{width}; layout where 3-D or 4-D")
     name_width = max(len(row[0]) for row in rows)
     cls_width = max(len(row[1]) for row in rows)
     shape_width = max(len(row[2]) for row in rows)

@@ -16,11 +16,14 @@ from torchvision import __version__ as torchvision_version  # the name torchvisi
 
 from . import registry
 from .base import LoadedModel, ModelRequest, ModelSource, hub_offline, load_checkpoint, preprocessing_record
+from .hf_text import Encoded, TextModel
 
 __all__ = [
+    "Encoded",
     "LoadedModel",
     "ModelRequest",
     "ModelSource",
+    "TextModel",
     "build_model",
     "library_versions",
     "load_checkpoint",

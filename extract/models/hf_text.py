@@ -90,8 +90,11 @@ class TextModel(LoadedModel):
         return 0
 
     def encode(self, text: str | None, input_ids: Sequence[int] | None, context_length: int) -> Encoded:
-        """One document: ``text`` tokenized with the model's special tokens, or ``input_ids`` taken
-        as given; either cut to ``context_length`` tokens. Exactly one of the two is given."""
+        """One document: ``text`` tokenized with the model's special tokens, exactly as
+        ``tokenizer(text, truncation=True, max_length=context_length)`` does, with its special-tokens
+        mask; or ``input_ids`` taken as given (cut to ``context_length``; the special ones are the
+        tokenizer's special ids, see ``_special_ids``), each checked to lie in the vocabulary
+        (``ValueError`` naming it otherwise). Exactly one of the two is given."""
         if (text is None) == (input_ids is None):
             raise ValueError("encode takes text or input_ids, exactly one of them")
         if context_length < 1:
@@ -138,8 +141,17 @@ class TextModel(LoadedModel):
         if outside.any():
             raise ValueError(f"token id {int(ids[outside][0])} is outside the vocabulary (0..{vocab - 1})")
         kept = ids[:context_length].astype(np.int32)
-        special = np.isin(kept, np.asarray(self.tokenizer.all_special_ids, dtype=np.int64))
-        return Encoded(kept, special, len(ids) - len(kept))
+        return Encoded(kept, np.isin(kept, self._special_ids()), len(ids) - len(kept))
+
+    def _special_ids(self) -> np.ndarray:
+        """The ids flagged special in given ``input_ids``: the tokenizer's special tokens, but for
+        the unknown token where it is only that, since a tokenizer's own mask does not flag the
+        unknown tokens of the content either (an [UNK] is content, not a CLS)."""
+        tokenizer = self.tokenizer
+        others = {getattr(tokenizer, f"{name}_token_id", None) for name in (*SPECIAL_TOKENS, "mask")}
+        unknown = tokenizer.unk_token_id
+        ids = [i for i in tokenizer.all_special_ids if i != unknown or unknown in others]
+        return np.asarray(ids, dtype=np.int64)
 
     def tokenizer_record(self) -> dict[str, Any]:
         """Which tokenizer it is, for the store: class, name, vocabulary size, the special ids, and
@@ -191,7 +203,10 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 
 
 def _is_causal_lm(config: Any) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     architectures = list(getattr(config, "architectures", None) or ())
     if architectures:

@@ -1,0 +1,259 @@
+"""Per-token and per-document stores of text models, end to end through the CLI, against transformers
+run on each document alone (the models and tokenizers are made here: tests/text_models.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from launches import ROOT, Sequence, environment, launcher, rank_pids
+from text_models import real_documents, save_text_model, write_jsonl
+
+from extract import open_features
+
+CONTEXT = 96  # a few of the real documents are longer: truncation is exercised
+LAYERS = {
+    "gpt2": ["transformer.h.0", "hidden_states.3", "lm_head"],
+    "llama": ["model.layers.1", "hidden_states.0"],
+    "bert": ["encoder.layer.0", "hidden_states.3"],
+}
+# (stored layer, index into output_hidden_states) where the alias or module is a hidden state
+HIDDEN = {
+    "gpt2": {"transformer.h.0": 1, "hidden_states.3": 3},
+    "llama": {"model.layers.1": 2, "hidden_states.0": 0},
+    "bert": {"encoder.layer.0": 1, "hidden_states.3": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    documents = [*real_documents(23), ""]  # an empty document is stored empty
+    labels = [i % 3 for i in range(len(documents))]
+    write_jsonl(root / "docs.jsonl", documents, label=labels)
+    models = {kind: save_text_model(kind, root / kind) for kind in ("gpt2", "llama", "bert")}
+    return root, documents, labels, models
+
+
+def _job(corpus, kind, out, *extra):
+    root, _, _, models = corpus
+    return [
+        "--model", f"hf:{models[kind]}", "--layers", *LAYERS[kind], "--data", f"text:{root / 'docs.jsonl'}",
+        "--label-key", "label", "--dtype", "float32", "--context-length", str(CONTEXT), "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def _alone(model_dir, kind, document):
+    """transformers itself on one document: token ids, special-token mask and every hidden state."""
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
+    model = (tf.AutoModel if kind == "bert" else tf.AutoModelForCausalLM).from_pretrained(model_dir).eval()
+    encoded = tokenizer(document, truncation=True, max_length=CONTEXT, return_special_tokens_mask=True)
+    ids = torch.tensor([encoded["input_ids"]])
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
+    return np.array(encoded["input_ids"]), np.array(encoded["special_tokens_mask"], bool), out
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference(corpus, tmp_path_factory):
+    """One process, the default batches: the store the other runs must equal."""
+    from extract.cli.extract import main
+
+    out = tmp_path_factory.mktemp("ref") / "ref.zarr"
+    assert main(_job(corpus, "gpt2", out)) == 0
+    return out
+
+
+def _close(a, b, tol=1e-4):
+    scale = max(1.0, float(np.abs(b).max())) if b.size else 1.0
+    return float(np.abs(a - b).max() / scale) <= tol if a.size else a.shape == b.shape
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
+    root, documents, labels, models = corpus
+    out = tmp_path / f"{kind}.zarr"
+    code, _, err = cli(*_job(corpus, kind, out))
+    assert code == 0, err
+    assert "truncated" in err
+    # GPT-2 adds no special tokens, so the empty document has none; Llama's has BOS, BERT's CLS and SEP
+    assert ("1 documents have no tokens" in err) == (kind == "gpt2"), err
+    f = open_features(out)
+    assert f.kind == "tokens" and f.num_documents == len(documents)
+    assert f.keys.tolist() == [f"docs.jsonl/{i}" for i in range(len(documents))]
+    assert f.labels.tolist() == labels
+    assert f.attrs["tokenizer"]["vocab_size"] == 400
+    for i, document in enumerate(documents):
+        rows = slice(f.offsets[i], f.offsets[i + 1])
+        if not document and kind == "gpt2":
+            assert rows.start == rows.stop
+            continue
+        ids, special, out_alone = _alone(models[kind], kind, document)
+        assert f.token_ids[rows].tolist() == ids.tolist(), i
+        assert f.special[rows].tolist() == special.tolist(), i
+        for layer, number in HIDDEN[kind].items():
+            assert _close(f.document(i, layer), out_alone.hidden_states[number][0].numpy()), (i, layer)
+        if kind == "gpt2":
+            assert _close(f.document(i, "lm_head"), out_alone.logits[0].numpy()), i
+    if kind == "llama":  # BOS flagged special, once per document
+        starts = f.offsets[:-1][np.diff(f.offsets) > 0]
+        assert f.special[starts].all() and f.special.sum() == len(starts)
+
+
+def test_batches_do_not_change_the_rows(corpus, gpt2_reference, tmp_path, cli):
+    out = tmp_path / "small.zarr"
+    code, _, err = cli(*_job(corpus, "gpt2", out, "--batch-size", "2", "--tokens-per-batch", "64"))
+    assert code == 0, err
+    small, reference = open_features(out), open_features(gpt2_reference)
+    assert (small.token_ids == reference.token_ids).all() and (small.offsets == reference.offsets).all()
+    for layer in reference.layers:
+        assert _close(small.load(layer), reference.load(layer)), layer
+
+
+def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, tmp_path, cli):
+    out = tmp_path / "pooled.zarr"
+    pools = ["transformer.h.0=mean", "hidden_states.3=last", "lm_head=max"]
+    code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", *pools, "--tokens-per-batch", "200"))
+    assert code == 0, err
+    pooled, tokens = open_features(out), open_features(gpt2_reference)
+    assert pooled.kind == "documents" and len(pooled) == tokens.num_documents
+    assert pooled.labels.tolist() == tokens.labels.tolist()
+    for i in range(tokens.num_documents):
+        rows = {layer: tokens.document(i, layer) for layer in tokens.layers}
+        if not len(rows["lm_head"]):  # the empty document: a row of NaN
+            assert np.isnan(pooled.load("transformer.h.0", [i])).all()
+            continue
+        assert _close(pooled.load("transformer.h.0", [i])[0], rows["transformer.h.0"].mean(0))
+        assert _close(pooled.load("hidden_states.3", [i])[0], rows["hidden_states.3"][-1])
+        assert _close(pooled.load("lm_head", [i])[0], rows["lm_head"].max(0))
+
+
+def test_two_and_three_processes_equal_one(corpus, gpt2_reference, tmp_path):
+    reference = open_features(gpt2_reference)
+    for processes in (2, 3):
+        out = tmp_path / f"p{processes}.zarr"
+        jobs = {"job": _job(corpus, "gpt2", out, "--chunk-size", "64", "--tokens-per-batch", "256")}
+        sequence = Sequence(processes, jobs, tmp_path)
+        done = sequence.run(timeout=300)
+        result = sequence.result("job")
+        assert done.returncode == 0 and result.codes == [0] * processes, result.stderr[-3000:]
+        f = open_features(out)
+        assert f.store.done_flags().all() and f.attrs["runs"][-1]["world_size"] == processes
+        assert (f.token_ids == reference.token_ids).all() and (f.keys == reference.keys).all()
+        for layer in reference.layers:
+            values = f.load(layer)
+            assert not np.isnan(values).any() and _close(values, reference.load(layer)), (processes, layer)
+
+
+def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_tampered_chunk(
+    corpus, gpt2_reference, tmp_path
+):
+    out = tmp_path / "killed.zarr"
+    args = _job(corpus, "gpt2", out, "--chunk-size", "16", "--tokens-per-batch", "32", "--batch-size", "1")
+    job = subprocess.Popen(
+        [*launcher(2), "extract", *args], cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.time() + 120
+    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 6):
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-3000:]
+        time.sleep(0.05)
+    ranks = rank_pids(job.pid)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks):  # gone, not just signalled: the lock names rank 0
+        time.sleep(0.05)
+    partial = open_features(out, allow_partial=True)
+    assert 0 < partial.store.done_flags().sum() < partial.num_chunks
+    from extract.cli.extract import main
+
+    assert main(args) == 0  # one process now, the lock taken over once stale
+    reference = open_features(gpt2_reference)
+    resumed = open_features(out)
+    assert (resumed.token_ids == reference.token_ids).all()
+    for layer in reference.layers:
+        assert _close(resumed.load(layer), reference.load(layer)), layer
+
+    chunk = out / "features" / "transformer.h.0" / "c" / "3" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    verify = subprocess.run(
+        [sys.executable, "-m", "extract.verify", str(out)], capture_output=True, text=True, env=environment(), cwd=ROOT
+    )
+    assert verify.returncode != 0 and "chunk 3" in verify.stdout + verify.stderr, verify.stdout + verify.stderr
+    repair = subprocess.run(
+        [sys.executable, "-m", "extract.verify", str(out), "--repair"], capture_output=True, text=True, env=environment(),
+        cwd=ROOT,
+    )  # fmt: skip
+    assert repair.returncode == 0, repair.stdout + repair.stderr
+    assert main(args) == 0
+    repaired = open_features(out)
+    assert _close(repaired.load("transformer.h.0"), reference.load("transformer.h.0"))
+
+
+def test_xarray_opens_token_layers_with_their_dimension_names(gpt2_reference):
+    xr = pytest.importorskip("xarray")
+    ds = xr.open_zarr(gpt2_reference, group="features", consolidated=False)
+    assert ds["transformer.h.0"].dims == ("token", "transformer.h.0.channel")
+    root = xr.open_zarr(gpt2_reference, consolidated=False)
+    assert root["token_ids"].dims == ("token",) and root["offsets"].dims == ("document_edge",)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda c, tmp: ["--data", f"imagefolder:{tmp}"], "is a text model"),
+        (lambda c, tmp: ["--context-length", "100000"], "beyond the model's 256 positions"),
+        (lambda c, tmp: ["--pool", "transformer.h.0=mean", "hidden_states.3=none"], "per token (none) or every layer per document"),
+        (lambda c, tmp: ["--pool", "avg"], "does not apply to a text layer"),
+    ],
+)  # fmt: skip
+def test_bad_text_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, change, words):
+    from PIL import Image
+
+    (tmp_path / "imgs" / "a").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "a" / "x.png")
+    out = tmp_path / "bad.zarr"
+    args = _job(corpus, "gpt2", out)
+    code, _, err = cli(*args, *change(corpus, tmp_path / "imgs"))
+    assert code == 2 and words in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_a_vision_model_with_text_is_refused(corpus, tmp_path, cli):
+    root = corpus[0]
+    out = tmp_path / "v.zarr"
+    code, _, err = cli(
+        "--model", "resnet18", "--weights", "none", "--layers", "layer1", "--data", f"text:{root / 'docs.jsonl'}",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 2 and "holds text" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_resuming_with_another_tokenizer_is_refused(corpus, gpt2_reference, tmp_path, cli):
+    import shutil
+
+    import transformers as tf
+
+    other = tmp_path / "other"
+    shutil.copytree(corpus[3]["gpt2"], other)
+    tokenizer = tf.AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["zzzz"])
+    tokenizer.save_pretrained(other)
+    store = tmp_path / "again.zarr"
+    shutil.copytree(gpt2_reference, store)
+    job = _job(corpus, "gpt2", store)
+    job[1] = f"hf:{other}"  # the same model and data; only the tokenizer differs
+    code, _, err = cli(*job)
+    assert code == 2 and "tokenization" in err, err
+    assert json.loads((store / "zarr.json").read_text())["attributes"]["status"] == "complete"
