@@ -127,9 +127,10 @@ def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, 
     assert pooled.labels.tolist() == tokens.labels.tolist()
     for i in range(tokens.num_documents):
         rows = {layer: tokens.document(i, layer) for layer in tokens.layers}
-        if not len(rows["lm_head"]):  # the empty document: a row of NaN
-            assert np.isnan(pooled.load("transformer.h.0", [i])).all()
+        if not len(rows["lm_head"]):  # the empty document: a row of NaN, not valid
+            assert np.isnan(pooled.load("transformer.h.0", [i])).all() and not pooled.valid[i]
             continue
+        assert pooled.valid[i]
         assert _close(pooled.load("transformer.h.0", [i])[0], rows["transformer.h.0"].mean(0))
         assert _close(pooled.load("hidden_states.3", [i])[0], rows["hidden_states.3"][-1])
         assert _close(pooled.load("lm_head", [i])[0], rows["lm_head"].max(0))
@@ -262,3 +263,42 @@ def test_resuming_with_another_tokenizer_is_refused(corpus, gpt2_reference, tmp_
     code, _, err = cli(*job)
     assert code == 2 and "tokenization" in err, err
     assert json.loads((store / "zarr.json").read_text())["attributes"]["status"] == "complete"
+
+
+def test_feature_dataset_serves_every_token_once_with_its_documents_label(gpt2_reference):
+    from torch.utils.data import DataLoader
+
+    from extract import ChunkShuffleSampler, FeatureDataset
+
+    f = open_features(gpt2_reference)
+    dataset = FeatureDataset(gpt2_reference, "transformer.h.0", cache_chunks=4)
+    sampler = ChunkShuffleSampler(len(dataset), dataset.chunk_size, batch_size=64, window=4, seed=0)
+    seen, rows, labels = [], [], []
+    for indices in sampler:
+        for index in indices:
+            row, label = dataset[index]
+            seen.append(index)
+            rows.append(row.numpy())
+            labels.append(label)
+    assert sorted(seen) == list(range(f.num_samples))
+    expected = f.load("transformer.h.0")
+    assert np.array_equal(np.stack(rows), expected[seen])
+    assert labels == f.labels[f.token_documents[seen]].tolist()
+    batches = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
+    assert sum(len(x) for x, _ in batches) == f.num_samples
+
+
+def test_probes_take_a_document_store_and_refuse_a_token_store(corpus, gpt2_reference, tmp_path, cli):
+    out = tmp_path / "docs.zarr"
+    code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", "mean"))
+    assert code == 0, err
+    probe = subprocess.run(
+        [sys.executable, "-m", "extract.probe", str(out), "--layers", "hidden_states.3"], capture_output=True,
+        text=True, env=environment(), cwd=ROOT,
+    )  # fmt: skip
+    assert probe.returncode == 0 and "hidden_states.3: test accuracy" in probe.stdout, probe.stdout + probe.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "extract.probe", str(gpt2_reference)], capture_output=True, text=True,
+        env=environment(), cwd=ROOT,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "one row per token" in refused.stderr, refused.stderr

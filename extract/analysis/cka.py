@@ -32,8 +32,17 @@ import numpy as np
 import torch
 
 from ..errors import ExtractError
-from ..read.features import Features, open_features
-from .samples import UnusableLayerError, default_pool, is_constant, no_layer_left, read_layer, select_layers, spread
+from ..read.features import Features
+from .samples import (
+    UnusableLayerError,
+    default_pool,
+    is_constant,
+    no_layer_left,
+    open_rows,
+    read_layer,
+    select_layers,
+    spread,
+)
 
 # One window of chunks, every layer read, takes about this much memory (float32) unless ``window`` says.
 WINDOW_BYTES = 512 * 2**20
@@ -310,13 +319,13 @@ def compare(
     """CKA for ``python -m extract.compare FIRST [SECOND]`` (each ``STORE[:LAYERS]``); two stores'
     samples are paired by key, or by row with ``match="rows"``."""
     path_a, layers_a = parse_target(first)
-    a = open_features(path_a)
+    a = open_rows(path_a, "extract.compare")
     if second is None:
         rows_a = rows_b = np.flatnonzero(a.valid)
         matched, b = f"{len(rows_a)} samples of one store", None
     else:
         path_b, layers_b = parse_target(second)
-        b = open_features(path_b)
+        b = open_rows(path_b, "extract.compare")
         rows_a, rows_b, matched = shared_rows(a, b, match)
     if max_samples is not None and len(rows_a) > max_samples:
         keep = np.sort(np.random.default_rng((seed, 3)).choice(len(rows_a), max_samples, replace=False))

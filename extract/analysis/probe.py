@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from ..errors import ExtractError
-from ..read.features import Features, open_features
+from ..read.features import Features
 from .knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_predict
 from .linear import DEFAULT_LRS, fit_minibatch
 from .linear import accuracy as streamed_accuracy
-from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, no_layer_left, select_layers
+from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, no_layer_left, open_rows, select_layers
 
 __all__ = [
     "ProbeOptions",
@@ -138,7 +138,7 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def _open(path: str | Path) -> Features:
-    features = open_features(path)
+    features = open_rows(path, "extract.probe")
     if len(labelled_rows(features)) == 0:
         raise ExtractError(f"{path} has no labels (all -1): nothing to probe")
     return features

@@ -34,12 +34,12 @@ import torch
 from PIL import Image
 
 from ..errors import ExtractError
-from ..read.features import Features, open_features
+from ..read.features import Features
 from . import figures
 from .cka import Side, keys_and_classes, usable_cka
 from .images import SampleImages, sample_images
 from .probe import ProbeOptions, probe_rows, resolve_device, split
-from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, select_layers
+from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, open_rows, select_layers
 
 THUMBNAIL = 96  # pixels, the longer side
 PAGE_PIXELS = round(figures.PAGE_WIDTH * figures.DPI)  # the page's column, as wide as every figure
@@ -272,7 +272,7 @@ def build_report(store: str | Path, config: ReportConfig | None = None) -> Repor
     config = config or ReportConfig()
     config = dataclasses.replace(config, device=resolve_device(config.device))
     figures.require_matplotlib()  # a missing matplotlib stops here, before any work
-    features = open_features(store)
+    features = open_rows(store, "extract.report")
     layers = select_layers(features.layers, config.layers, store=features.path)
     if config.pca_layer:
         select_layers(features.layers, [config.pca_layer], store=features.path)

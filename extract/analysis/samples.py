@@ -35,6 +35,20 @@ class UnusableLayerError(ExtractError):
         return f"skipped layer '{self.layer}' of {self.store}: {self.reason}"
 
 
+def open_rows(path: object, command: str) -> Features:
+    """The store at ``path`` for a command that takes one row per sample (probe, compare, report): a
+    token store has one row per token and its labels and keys per document, so it is refused by name."""
+    from ..read.features import open_features
+
+    features = open_features(path)  # type: ignore[arg-type]
+    if features.kind == "tokens":
+        raise ExtractError(
+            f"{path} stores one row per token; {command} takes one row per document: extract the same job "
+            "with --pool mean (or last, max, first) into another store, or read the tokens with open_features"
+        )
+    return features
+
+
 def no_layer_left(what: str, skipped: Mapping[str, str]) -> ExtractError:
     """The error once every layer was skipped: each one's reason, on one line."""
     reasons = "; ".join(f"{layer}: {reason}" for layer, reason in skipped.items())

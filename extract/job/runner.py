@@ -4,6 +4,7 @@ finish. ``run`` reads as that list; each stage is one function below it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import socket
@@ -580,6 +581,8 @@ def _create(job: _Job, out: Path, writer: str) -> FeatureStore:
     if text is not None:
         assert text.tokenized is not None, "a text store is created from the tokenized corpus"
         kind, arrays = ("tokens" if text.per_token else "documents"), text.tokenized.arrays
+        if not text.per_token:  # a document without tokens has no pooled row (NaN): not valid for readers
+            arrays = dataclasses.replace(arrays, valid=arrays.valid & (np.diff(arrays.offsets) > 0))
     return FeatureStore.create(
         out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},

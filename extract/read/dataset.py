@@ -19,6 +19,7 @@ Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
 
 class FeatureDataset(Dataset):
     """``(features, label)`` per sample: a float tensor for one layer, a ``{layer: tensor}`` dict for several.
+    In a token store a sample is one token's row, and its label is its document's.
 
     Items are served from the last ``cache_chunks`` chunks read (per process), so indices within them
     cost no read; pair it with ``ChunkShuffleSampler`` (``window`` <= ``cache_chunks``) for shuffled
@@ -91,7 +92,11 @@ class FeatureDataset(Dataset):
             layer: self._features.load(layer, rows, pool=self.pools[layer], dtype=self.dtype, as_torch=True)
             for layer in self.layers
         }
-        self._cache[chunk] = (values, self._features.load_labels(rows))
+        if self._features.kind == "tokens":  # a token's label is its document's
+            labels = self._features.labels[self._features.documents_of(rows)]
+        else:
+            labels = self._features.load_labels(rows)
+        self._cache[chunk] = (values, labels)
         while len(self._cache) > self.cache_chunks:
             self._cache.popitem(last=False)
         self.chunk_reads += 1

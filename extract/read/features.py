@@ -262,8 +262,14 @@ class Features:
 
     @cached_property
     def token_documents(self) -> np.ndarray:
-        """(N_tokens,) int64: the document of each token."""
+        """(N_tokens,) int64: the document of each token (``documents_of`` for a few of them)."""
         return np.repeat(np.arange(self.num_documents), np.diff(self.offsets))
+
+    def documents_of(self, tokens: slice | np.ndarray) -> np.ndarray:
+        """The document of each token ``tokens`` picks (a slice or token indices), without the whole map."""
+        if isinstance(tokens, slice):
+            tokens = np.arange(*tokens.indices(int(self.offsets[-1])))
+        return np.searchsorted(self.offsets, np.asarray(tokens), side="right") - 1
 
     @cached_property
     def token_positions(self) -> np.ndarray:
