@@ -90,6 +90,14 @@ def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
     assert f.keys.tolist() == [f"docs.jsonl/{i}" for i in range(len(documents))]
     assert f.labels.tolist() == labels
     assert f.attrs["tokenizer"]["vocab_size"] == 400
+    truncation = f.attrs["summary"]["truncation"]
+    assert truncation["context_length"] == CONTEXT and truncation["documents_truncated"] > 0
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(models[kind])
+    full = [len(tokenizer(d)["input_ids"]) for d in documents]
+    assert truncation["tokens_dropped"] == sum(full) - len(f.token_ids)
+    assert truncation["documents_truncated"] == sum(n > CONTEXT for n in full)
     for i, document in enumerate(documents):
         rows = slice(f.offsets[i], f.offsets[i + 1])
         if not document and kind == "gpt2":

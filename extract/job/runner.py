@@ -62,6 +62,7 @@ class Summary:
     raw_bytes: int
     invalid: int = 0
     unit: str = "img"  # what a row is: img, doc or tok
+    truncation: dict[str, int] | None = None  # text: documents truncated and tokens dropped, when tokenized now
 
     @property
     def images_per_second(self) -> float:
@@ -80,6 +81,7 @@ class Summary:
             "bytes_stored": self.bytes_stored,
             "compression_ratio": round(self.compression_ratio, 3),
             "invalid_samples": self.invalid,
+            **({"truncation": self.truncation} if self.truncation is not None else {}),
         }
 
     def line(self) -> str:
@@ -662,4 +664,17 @@ def _extract(
         raw_bytes=plan.num_samples * job.sample_bytes,
         invalid=int((~store.array("valid")[:]).sum()) if main else 0,
         unit=job.unit,
+        truncation=_truncation(job.text),
     )
+
+
+def _truncation(text: _Text | None) -> dict[str, int] | None:
+    tokenized = None if text is None else text.tokenized
+    if tokenized is None:
+        return None
+    return {
+        "documents_truncated": tokenized.truncated,
+        "tokens_dropped": tokenized.dropped,
+        "empty_documents": tokenized.empty,
+        "context_length": text.context_length,
+    }
