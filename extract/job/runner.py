@@ -44,7 +44,7 @@ from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, ChunkBatchSampler, assign, default_chunk_size
 from .progress import JobProgress
 from .spec import JobSpec
-from .text import TextBatch, TextBatches, Tokenized, tokenize
+from .text import TextBatch, TextBatches, Tokenized, restore_token_chunks, tokenize
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
@@ -601,6 +601,14 @@ def _share(
     pending = store.pending_chunks()
     if main and resume and job.unit != "tok":  # keys are written at creation: restore those of chunks to redo
         store.write_keys(pending, job.data.dataset.keys())
+    if main and resume and job.unit == "tok":  # so are a token store's ids, which the loop reads
+        assert job.text is not None
+        text = job.text
+        restored = restore_token_chunks(
+            store, job.data.dataset, job.model.loaded, text.context_length, plan, text.offsets, pending
+        )
+        if restored:
+            log(f"extract: token ids of {len(restored)} damaged chunks tokenized again (chunk {restored[0]} first)")
     shares = assign(pending, job.state.num_processes)
     life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
     if main and resume:

@@ -62,8 +62,9 @@ def _share(num_documents: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> Tokenized:
-    """Every document tokenized once: rank r takes a contiguous share, and the shares are gathered on
-    every rank (the plan needs every length before the store exists). A document the source could not
+    """Every document tokenized once: rank r takes a contiguous share; the lengths, labels and validity
+    are gathered on every rank (the plan needs every length before the store exists), the token ids on
+    rank 0 only, which creates the store with them (``arrays.token_ids`` is empty elsewhere). A document the source could not
     read (``Document.error``, with --skip-bad-images) is stored with no tokens and valid=False."""
     start, stop = _share(len(source), state.process_index, state.num_processes)
     ids, special, lengths, labels, valid = [], [], [], [], []
@@ -84,24 +85,27 @@ def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> To
         valid.append(not document.error)
         truncated += cut > 0
         dropped += cut
-    part = {
-        "ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
-        "special": np.concatenate(special) if special else np.zeros(0, bool),
+    meta = {
         "lengths": np.asarray(lengths, dtype=np.int64),
         "labels": np.asarray(labels, dtype=np.int64),
         "valid": np.asarray(valid, dtype=bool),
         "truncated": truncated,
         "dropped": dropped,
     }
-    parts = gather_object([part]) if state.num_processes > 1 else [part]
+    tokens = (
+        np.concatenate(ids) if ids else np.zeros(0, np.int32),
+        np.concatenate(special) if special else np.zeros(0, bool),
+    )
+    parts = gather_object([meta]) if state.num_processes > 1 else [meta]
+    token_parts = _gather_on_main(tokens, state)  # only the store's creator needs every token id
     lengths_all = np.concatenate([p["lengths"] for p in parts])
     offsets = np.zeros(len(lengths_all) + 1, dtype=np.int64)
     np.cumsum(lengths_all, out=offsets[1:])
     valid_all = np.concatenate([p["valid"] for p in parts])
     arrays = TextArrays(
         offsets=offsets,
-        token_ids=np.concatenate([p["ids"] for p in parts]),
-        special=np.concatenate([p["special"] for p in parts]),
+        token_ids=np.concatenate([p[0] for p in token_parts]) if token_parts else np.zeros(0, np.int32),
+        special=np.concatenate([p[1] for p in token_parts]) if token_parts else np.zeros(0, bool),
         labels=np.concatenate([p["labels"] for p in parts]),
         valid=valid_all,
     )
@@ -112,6 +116,18 @@ def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> To
         empty=int(((lengths_all == 0) & valid_all).sum()),
         invalid=int((~valid_all).sum()),
     )
+
+
+def _gather_on_main(value: Any, state: Any) -> list[Any]:
+    """Every rank's ``value`` on rank 0 (in rank order), nothing elsewhere: the token ids are the corpus's
+    bulk, and the other ranks read theirs from the store once it exists."""
+    if state.num_processes == 1:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * state.num_processes if state.is_main_process else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered or []
 
 
 @dataclass
@@ -248,3 +264,41 @@ class TextBatches:
         if chunk_of[0] == chunk_of[-1]:
             return np.full(length, int(chunk_of[0]) in self._owned)
         return np.isin(chunk_of, list(self._owned))
+
+
+def restore_token_chunks(
+    store: Any, source: Any, model: Encoder, context_length: int, plan: Plan, offsets: np.ndarray, chunks: Sequence[int]
+) -> list[int]:
+    """Rewrite the token ids and special flags of those ``chunks`` (about to be recomputed) whose objects
+    are lost or fail their checksum (``verify --repair`` cleared them), from the documents that hold
+    those tokens, tokenized again: the features are computed from the stored ids, so the ids must be
+    whole first. The job's identity guarantees the same tokenizer and data. Returns the chunks restored."""
+    restored = []
+    arrays = {name: store.array(name) for name in ("token_ids", "special")}
+    present = {name: store.stored_chunks(name, chunks) for name in arrays}
+    for chunk in chunks:
+        start, stop = plan.bounds(chunk)
+        if all(chunk in present[name] and _decodes(array, start, stop) for name, array in arrays.items()):
+            continue
+        first = int(np.searchsorted(offsets, start, side="right")) - 1
+        last = int(np.searchsorted(offsets, stop - 1, side="right"))
+        ids, special = [], []
+        for document in source.documents(first, last):
+            if document.error:
+                continue
+            encoded = model.encode(document.text, document.input_ids, context_length)
+            ids.append(np.asarray(encoded.ids, dtype=np.int32))
+            special.append(np.asarray(encoded.special, dtype=bool))
+        at = slice(start - int(offsets[first]), stop - int(offsets[first]))
+        arrays["token_ids"][start:stop] = np.concatenate(ids)[at]
+        arrays["special"][start:stop] = np.concatenate(special)[at]
+        restored.append(chunk)
+    return restored
+
+
+def _decodes(array: Any, start: int, stop: int) -> bool:
+    try:
+        array[start:stop]
+    except Exception:  # noqa: BLE001 - a codec's complaint about a damaged object
+        return False
+    return True
