@@ -313,3 +313,64 @@ def test_probes_take_a_document_store_and_refuse_a_token_store(corpus, gpt2_refe
         env=environment(), cwd=ROOT,
     )  # fmt: skip
     assert refused.returncode == 2 and "one row per token" in refused.stderr, refused.stderr
+
+
+def test_every_text_source_gives_the_same_rows(corpus, tmp_path, cli):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import transformers as tf
+
+    _, documents, _, models = corpus
+    texts = [d for d in documents if d][:8]
+    labels = [i % 2 for i in range(len(texts))]
+    tokenizer = tf.AutoTokenizer.from_pretrained(models["gpt2"])
+    write_jsonl(tmp_path / "a.jsonl", texts, label=labels)
+    pq.write_table(pa.table({"text": texts, "label": labels}), tmp_path / "a.parquet", row_group_size=3)
+    datasets.Dataset.from_dict({"text": texts, "label": labels}).save_to_disk(tmp_path / "hf")
+    ids = [tokenizer(t, truncation=True, max_length=CONTEXT)["input_ids"] for t in texts]
+    with (tmp_path / "ids.jsonl").open("w") as f:
+        for row, label in zip(ids, labels, strict=True):
+            f.write(json.dumps({"input_ids": row, "label": label}) + "\n")
+    (tmp_path / "txt").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "txt" / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    sources = {
+        "jsonl": f"text:{tmp_path / 'a.jsonl'}", "parquet": f"text:{tmp_path / 'a.parquet'}",
+        "hf": f"hf:{tmp_path / 'hf'}", "input_ids": f"text:{tmp_path / 'ids.jsonl'}",
+        "txt": f"text:{tmp_path / 'txt' / '*.txt'}",
+    }  # fmt: skip
+    stores = {}
+    for name, data in sources.items():
+        out = tmp_path / f"{name}.zarr"
+        args = _job(corpus, "gpt2", out)
+        args[args.index("--data") + 1] = data
+        if name == "txt":  # text files have no fields
+            at = args.index("--label-key")
+            del args[at : at + 2]
+        code, _, err = cli(*args)
+        assert code == 0, (name, err)
+        stores[name] = open_features(out)
+    reference = stores["jsonl"]
+    assert reference.token_ids.tolist() == [i for row in ids for i in row]
+    assert stores["parquet"].keys.tolist() == [f"a.parquet/{i}" for i in range(len(texts))]
+    assert stores["txt"].keys.tolist() == [f"{i:02d}.txt" for i in range(len(texts))]
+    for name, store in stores.items():
+        assert (store.token_ids == reference.token_ids).all() and (store.offsets == reference.offsets).all(), name
+        if name != "txt":
+            assert store.labels.tolist() == labels, name
+        for layer in reference.layers:
+            assert _close(store.load(layer), reference.load(layer)), (name, layer)
+
+
+def test_token_ids_outside_the_vocabulary_are_one_line(corpus, tmp_path, cli):
+    with (tmp_path / "ids.jsonl").open("w") as f:
+        f.write(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps({"input_ids": [4, 5000]}) + "\n")
+    out = tmp_path / "oov.zarr"
+    args = _job(corpus, "gpt2", out)
+    args[args.index("--data") + 1] = f"text:{tmp_path / 'ids.jsonl'}"
+    at = args.index("--label-key")
+    del args[at : at + 2]
+    code, _, err = cli(*args)
+    assert code == 2 and "5000" in err and "ids.jsonl" in err and len(_own_lines(err)) == 1, err
+    assert not out.exists()
