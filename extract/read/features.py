@@ -481,7 +481,10 @@ class Features:
     def __repr__(self) -> str:
         layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
         state = "complete" if self.complete else f"{int(self.present.sum())}/{self.num_samples} present"
-        return f"Features({str(self.path)!r}, N={self.num_samples}, {state}; {layers})"
+        if self.kind == "tokens":
+            return f"Features({str(self.path)!r}, {self.num_samples} tokens of {self.num_documents} documents, {state}; {layers})"
+        rows = f"N={self.num_samples}" if self.kind == "images" else f"{self.num_samples} documents"
+        return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
 
 
 def open_features(path: str | Path, *, allow_partial: bool = False) -> Features:
