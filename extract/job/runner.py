@@ -48,6 +48,7 @@ from .text import TextBatch, TextBatches, Tokenized, restore_token_chunks, token
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
+ROWS = {"img": "samples", "doc": "documents", "tok": "tokens"}  # what a row is, in messages
 TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
 Log = Callable[[str], None]
 
@@ -87,7 +88,7 @@ class Summary:
     def line(self) -> str:
         what = "documents" if self.unit != "img" else "images"
         skipped = f"; {self.invalid} bad {what} skipped (valid=False)" if self.invalid else ""
-        rows = {"img": "samples", "doc": "documents", "tok": "tokens"}[self.unit]
+        rows = ROWS[self.unit]
         return (
             f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.images_per_second:.1f} {self.unit}/s); "
             f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
