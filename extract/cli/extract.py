@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens-per-batch",
         type=int,
         metavar="N",
-        help="text: tokens per forward, padding included (default: batch size x 128)",
+        help="text: tokens per forward, padding included, however many documents that takes (default: --batch-size x 128)",
     )
     p.add_argument(
         "--decode",

@@ -479,9 +479,11 @@ def _text_loop(
     assert text is not None and isinstance(layers, TextLayerSetup)
     batches = TextBatches(
         text.offsets, store.array("token_ids"), job.plan, chunks, per_token=text.per_token,
-        tokens_per_batch=text.tokens_per_batch, max_sequences=spec.batch_size, pad_id=job.model.loaded.pad_id,
+        tokens_per_batch=text.tokens_per_batch, max_sequences=text.tokens_per_batch, pad_id=job.model.loaded.pad_id,
     )  # fmt: skip
-    rows = max(text.tokens_per_batch, text.context_length) if text.per_token else spec.batch_size
+    # only the token budget bounds a batch: short documents fill it with many sequences (a cap on their
+    # number made forwards of a few hundred tokens, slower per token on a CPU)
+    rows = max(text.tokens_per_batch, text.context_length)
     staging = HostStaging(job.shapes, rows, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads, rows_only=True)
