@@ -4,14 +4,12 @@ run on each document alone (the models and tokenizers are made here: tests/text_
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from launches import ROOT, Sequence, environment, launcher, rank_pids
+from launches import Sequence, rank_pids
 from text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
@@ -144,16 +142,43 @@ def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, 
         assert _close(pooled.load("lm_head", [i])[0], rows["lm_head"].max(0))
 
 
-def test_two_and_three_processes_equal_one(corpus, gpt2_reference, tmp_path):
+SMALL_CHUNKS = ["--chunk-size", "16", "--tokens-per-batch", "32"]  # many chunks: a kill lands mid-run
+
+
+@pytest.fixture(scope="module")
+def launched(corpus, tmp_path_factory):
+    """Two launches for the module: 2 ranks run a whole job, then a second job whose last rank is
+    SIGKILLed mid-run; 3 ranks run the whole job, then resume the killed one."""
+    two_folder, three_folder = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("three")
+    killed = two_folder / "killed.zarr"
+    whole = ["--chunk-size", "64", "--tokens-per-batch", "256"]
+    two = Sequence(
+        2, {"whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole), "killed": _job(corpus, "gpt2", killed, *SMALL_CHUNKS)},
+        two_folder,
+    )  # fmt: skip
+    job = two.start()
+    deadline = time.time() + 240
+    while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6):
+        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-3000:]
+        time.sleep(0.02)
+    os.kill(rank_pids(job.pid, program=b"job_sequence.py")[-1], signal.SIGKILL)
+    job.communicate(timeout=120)
+    partial = open_features(killed, allow_partial=True)
+    done_before = int(partial.store.done_flags().sum())
+    three = Sequence(
+        3, {"whole": _job(corpus, "gpt2", three_folder / "p3.zarr", *whole), "resume": _job(corpus, "gpt2", killed, *SMALL_CHUNKS)},
+        three_folder,
+    )  # fmt: skip
+    finished = three.run(timeout=300)
+    return {"two": two, "three": three, "killed": killed, "done_before": done_before, "finished": finished}
+
+
+def test_two_and_three_processes_equal_one(launched, gpt2_reference):
     reference = open_features(gpt2_reference)
-    for processes in (2, 3):
-        out = tmp_path / f"p{processes}.zarr"
-        jobs = {"job": _job(corpus, "gpt2", out, "--chunk-size", "64", "--tokens-per-batch", "256")}
-        sequence = Sequence(processes, jobs, tmp_path)
-        done = sequence.run(timeout=300)
-        result = sequence.result("job")
-        assert done.returncode == 0 and result.codes == [0] * processes, result.stderr[-3000:]
-        f = open_features(out)
+    for processes, sequence in ((2, launched["two"]), (3, launched["three"])):
+        result = sequence.result("whole")
+        assert result.codes == [0] * processes, result.stderr[-3000:]
+        f = open_features(sequence.folder / f"p{processes}.zarr")
         assert f.store.done_flags().all() and f.attrs["runs"][-1]["world_size"] == processes
         assert (f.token_ids == reference.token_ids).all() and (f.keys == reference.keys).all()
         for layer in reference.layers:
@@ -162,30 +187,17 @@ def test_two_and_three_processes_equal_one(corpus, gpt2_reference, tmp_path):
 
 
 def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_tampered_chunk(
-    corpus, gpt2_reference, tmp_path
+    corpus, launched, gpt2_reference
 ):
-    out = tmp_path / "killed.zarr"
-    args = _job(corpus, "gpt2", out, "--chunk-size", "16", "--tokens-per-batch", "32", "--batch-size", "1")
-    job = subprocess.Popen(
-        [*launcher(2), "extract", *args], cwd=ROOT, env=environment(), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.time() + 120
-    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 6):
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-3000:]
-        time.sleep(0.05)
-    ranks = rank_pids(job.pid)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
-    while any(os.path.exists(f"/proc/{pid}") for pid in ranks):  # gone, not just signalled: the lock names rank 0
-        time.sleep(0.05)
-    partial = open_features(out, allow_partial=True)
-    assert 0 < partial.store.done_flags().sum() < partial.num_chunks
     from extract.cli.extract import main
+    from extract.cli.verify import main as verify
 
-    assert main(args) == 0  # one process now, the lock taken over once stale
-    reference = open_features(gpt2_reference)
+    out, reference = launched["killed"], open_features(gpt2_reference)
+    resumed_job = launched["three"].result("resume")
+    assert launched["finished"].returncode == 0 and resumed_job.codes == [0, 0, 0], resumed_job.stderr[-3000:]
     resumed = open_features(out)
+    assert 0 < launched["done_before"] < resumed.num_chunks
+    assert [run["world_size"] for run in resumed.attrs["runs"]] == [2, 3]
     assert (resumed.token_ids == reference.token_ids).all()
     for layer in reference.layers:
         assert _close(resumed.load(layer), reference.load(layer)), layer
@@ -194,17 +206,10 @@ def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_ta
         raw = bytearray(chunk.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         chunk.write_bytes(bytes(raw))
-    verify = subprocess.run(
-        [sys.executable, "-m", "extract.verify", str(out)], capture_output=True, text=True, env=environment(), cwd=ROOT
-    )
-    said = verify.stdout + verify.stderr
-    assert verify.returncode != 0 and "chunk 3" in said and "token_ids" in said, said
-    repair = subprocess.run(
-        [sys.executable, "-m", "extract.verify", str(out), "--repair"], capture_output=True, text=True, env=environment(),
-        cwd=ROOT,
-    )  # fmt: skip
-    assert "cleared their done flags" in repair.stdout, repair.stdout + repair.stderr
-    assert main(args) == 0
+    assert verify([str(out)]) == 1
+    assert verify([str(out), "--repair"]) == 1  # the damaged chunks are cleared: the job's command redoes them
+    assert main(_job(corpus, "gpt2", out, *SMALL_CHUNKS)) == 0
+    assert verify([str(out)]) == 0
     repaired = open_features(out)
     assert (repaired.token_ids == reference.token_ids).all()
     for layer in reference.layers:
@@ -299,20 +304,16 @@ def test_feature_dataset_serves_every_token_once_with_its_documents_label(gpt2_r
     assert sum(len(x) for x, _ in batches) == f.num_samples
 
 
-def test_probes_take_a_document_store_and_refuse_a_token_store(corpus, gpt2_reference, tmp_path, cli):
+def test_probes_take_a_document_store_and_refuse_a_token_store(corpus, gpt2_reference, tmp_path, cli, capsys):
     out = tmp_path / "docs.zarr"
     code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", "mean"))
     assert code == 0, err
-    probe = subprocess.run(
-        [sys.executable, "-m", "extract.probe", str(out), "--layers", "hidden_states.3"], capture_output=True,
-        text=True, env=environment(), cwd=ROOT,
-    )  # fmt: skip
-    assert probe.returncode == 0 and "hidden_states.3: test accuracy" in probe.stdout, probe.stdout + probe.stderr
-    refused = subprocess.run(
-        [sys.executable, "-m", "extract.probe", str(gpt2_reference)], capture_output=True, text=True,
-        env=environment(), cwd=ROOT,
-    )  # fmt: skip
-    assert refused.returncode == 2 and "one row per token" in refused.stderr, refused.stderr
+    from extract.cli.probe import main as probe
+
+    assert probe([str(out), "--layers", "hidden_states.3"]) == 0
+    assert "hidden_states.3: test accuracy" in capsys.readouterr().out
+    assert probe([str(gpt2_reference)]) == 2
+    assert "one row per token" in capsys.readouterr().err
 
 
 def test_every_text_source_gives_the_same_rows(corpus, tmp_path, cli):
