@@ -283,14 +283,14 @@ def run_extract(args: argparse.Namespace, model_dir: Path, docs: Path, out: Path
     return result
 
 
-def run_saelens(args: argparse.Namespace, model_dir: Path, dataset: Path, out: Path) -> dict[str, Any]:
+def run_saelens(args: argparse.Namespace, model_dir: Path, dataset: Path, out: Path, tokens: int) -> dict[str, Any]:
     """(c): ``benchmarks/token_throughput_sae.py`` with the SAELens venv's python; it times
     ``CacheActivationsRunner.run()`` (the runner is built, and the model loaded, before)."""
     shutil.rmtree(out, ignore_errors=True)
     command = [
         args.sae_python, str(ROOT / "benchmarks" / "token_throughput_sae.py"), "--model", str(model_dir),
         "--dataset", str(dataset), "--out", str(out), "--hook", LAYER, "--d-in", "768",
-        "--context-length", str(args.context_length), "--batch-size", str(args.batch_size),
+        "--context-length", str(args.context_length), "--batch-size", str(min(args.batch_size, tokens // args.context_length)),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled")
@@ -405,7 +405,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for document in documents:
             f.write(json.dumps({"text": document}) + "\n")
     flat = np.concatenate([np.asarray(i, dtype=np.int64) for i in ids])
-    n_contexts = len(flat) // args.context_length
+    # whole batches of full contexts: SAELens drops a buffer it cannot fill
+    n_full = len(flat) // args.context_length
+    n_contexts = n_full - n_full % args.batch_size if n_full >= args.batch_size else n_full
     contexts = flat[: n_contexts * args.context_length].reshape(n_contexts, args.context_length)
     context_tokens = contexts.size
     dataset = save_sae_dataset(contexts, work / "sae-dataset") if "c" in args.variants else None
@@ -428,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "a": lambda: run_bare(model, batches, args.batch_size),
         "a'": lambda: run_stopped(model, batches, args.batch_size),
         "b": lambda: run_naive(model, batches, args.batch_size, work / "naive.npy"),
-        "c": lambda: run_saelens(args, model_dir, dataset, work / "sae-cache"),
+        "c": lambda: run_saelens(args, model_dir, dataset, work / "sae-cache", context_tokens),
         "e": lambda: run_extract(args, model_dir, docs, work / "e32.zarr", "float32"),
         "e16": lambda: run_extract(args, model_dir, docs, work / "e16.zarr", "float16"),
     }
