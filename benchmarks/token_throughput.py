@@ -5,6 +5,8 @@ Variants, interleaved in rounds (the order rotates every round), medians of the 
 
     a    bare      full forward with ``output_hidden_states=True``, nothing stored
     a'   stopped   forward stopped right after the hooked layer (a forward hook raising), nothing stored
+    p    padded    (a') on extract's own batches of the documents (``TextBatches``: padding and attention
+                   mask included), nothing stored: what extract's packing leaves of (a')
     b    naive     forward hook keeping ``output.cpu()``, full forward, ``np.save`` at the end (float32)
     c    saelens   SAELens ``CacheActivationsRunner`` (``model_class_name="AutoModelForCausalLM"``, a local
                    directory) in a subprocess with another venv's python (``--sae-python``; float32)
@@ -51,10 +53,11 @@ from extract.store.chunks import Plan  # noqa: E402
 
 LAYER = "transformer.h.1"
 HIDDEN_INDEX = 2  # hidden_states[2] is the output of block 1 (hidden_states[0] is the embeddings)
-VARIANTS = ("a", "a'", "b", "c", "e", "e16")
+VARIANTS = ("a", "a'", "p", "b", "c", "e", "e16")
 DESCRIPTIONS = {
     "a": "bare forward, output_hidden_states=True, nothing stored",
     "a'": "forward stopped after transformer.h.1 (hook raises), nothing stored",
+    "p": "(a') on extract's padded batches of the documents, nothing stored",
     "b": "naive loop: forward hook, .cpu(), np.save at the end (float32)",
     "c": "SAELens CacheActivationsRunner (float32)",
     "e": "extract CLI, --dtype float32",
@@ -200,8 +203,8 @@ def run_bare(model: Any, contexts: torch.Tensor, batch_size: int) -> dict[str, A
     return {}
 
 
-def run_stopped(model: Any, contexts: torch.Tensor, batch_size: int) -> dict[str, Any]:
-    """(a'): a forward hook on the layer raises, so the blocks after it and the LM head never run."""
+def run_stopped(model: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """(a') and (p): a forward hook on the layer raises, so the blocks after it and the LM head never run."""
 
     def stop(module: Any, args: Any, output: Any) -> None:
         raise StopForward
@@ -209,14 +212,30 @@ def run_stopped(model: Any, contexts: torch.Tensor, batch_size: int) -> dict[str
     handle = model.get_submodule(LAYER).register_forward_hook(stop)
     try:
         with torch.inference_mode():
-            for start in range(0, len(contexts), batch_size):
+            for inputs in batches:
                 try:
-                    model(input_ids=contexts[start : start + batch_size])
+                    model(**inputs)
                 except StopForward:
                     pass
     finally:
         handle.remove()
     return {}
+
+
+def extract_batches(ids: list[list[int]], batch_size: int, tokens_per_batch: int, itemsize: int) -> list[dict]:
+    """The batches extract's job makes of these documents: ``TextBatches`` over one rank's chunks, with
+    the chunk size the job picks for a d=768 layer of ``itemsize`` bytes (the store's, see padding_waste)."""
+    from extract.job.plan import MAX_TOKEN_CHUNK_SIZE, default_chunk_size
+
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([len(i) for i in ids], out=offsets[1:])
+    flat = np.concatenate([np.asarray(i, dtype=np.int32) for i in ids])
+    plan = Plan(int(offsets[-1]), default_chunk_size(int(offsets[-1]), 768 * itemsize, 1, MAX_TOKEN_CHUNK_SIZE))
+    batches = TextBatches(
+        offsets, flat, plan, range(plan.num_chunks), per_token=True,
+        tokens_per_batch=tokens_per_batch, max_sequences=batch_size, pad_id=0,
+    )  # fmt: skip
+    return [batch.inputs for batch in batches if isinstance(batch, TextBatch)]
 
 
 def run_naive(model: Any, contexts: torch.Tensor, batch_size: int, path: Path) -> dict[str, Any]:
@@ -426,9 +445,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.warmup):
             model(input_ids=batches[: args.batch_size])
 
+    contexts_in_batches = [
+        {"input_ids": batches[i : i + args.batch_size]} for i in range(0, n_contexts, args.batch_size)
+    ]
+    padded = (
+        extract_batches(ids, args.batch_size, args.batch_size * args.context_length, 4) if "p" in args.variants else []
+    )
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "a": lambda: run_bare(model, batches, args.batch_size),
-        "a'": lambda: run_stopped(model, batches, args.batch_size),
+        "a'": lambda: run_stopped(model, contexts_in_batches),
+        "p": lambda: {**run_stopped(model, padded), "tokens": stats["tokens"]},
         "b": lambda: run_naive(model, batches, args.batch_size, work / "naive.npy"),
         "c": lambda: run_saelens(args, model_dir, dataset, work / "sae-cache", context_tokens),
         "e": lambda: run_extract(args, model_dir, docs, work / "e32.zarr", "float32"),
@@ -474,7 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ratios = {}
     tps = {v: table[v]["tokens_per_second"] for v in table}
     for e in ("e", "e16"):
-        for base in ("c", "a'", "a", "b"):
+        for base in ("c", "a'", "p", "a", "b"):
             if e in tps and base in tps:
                 ratios[f"{e}/{base}"] = tps[e] / tps[base]
     padding = None
