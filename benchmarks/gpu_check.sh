@@ -5,7 +5,7 @@
 #
 # Expects Python with torch (CUDA) and accelerate. If `import zarr` fails, installs zarr and its
 # dependencies from the wheels in $EXTRACT_WHEELS (default .whl; see benchmarks/README.md) into
-# /tmp/site without the network. Every step has a timeout; their sum (575 s) keeps the script under 10 minutes.
+# /tmp/site without the network. Every step has a timeout; their sum (595 s) keeps the script under 10 minutes.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -56,7 +56,7 @@ step decode 40 "$PY" benchmarks/decode_throughput.py --small 240 --large 48 --re
 
 # resnet50 layer3+layer4, batch 256, bf16 autocast, channels_last; side-stream (HostStaging) vs
 # compute-stream (value.to('cpu')) copies for (d) and (e); (f) is the CLI end to end.
-step benchmark 140 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
+step benchmark 120 "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
   --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 3 --warmup 2 \
   --copy both --cli-samples 2048 --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda.json"
 
@@ -67,11 +67,16 @@ step writer_threads 40 "$PY" benchmarks/hook_overhead.py --model resnet50 --laye
 
 # timm and Hugging Face models through the CLI: CUDA bf16 vs CPU fp32 features, img/s. Needs timm and
 # transformers importable (carry their wheels in $EXTRACT_WHEELS with zarr's; see benchmarks/README.md).
-step sources 120 "$PY" benchmarks/gpu_sources.py --samples 2048 --compare 64 --json "$OUTDIR/gpu_sources.json"
+step sources 115 "$PY" benchmarks/gpu_sources.py --samples 2048 --compare 64 --json "$OUTDIR/gpu_sources.json"
+
+# A per-token job of a GPT-2-width LM (transformer.h.1, context 128) on CUDA in bf16 against the fp32 CPU
+# run of its first documents: token ids/offsets identical, rows within 5e-2 of their scale; tok/s.
+step tokens 45 "$PY" benchmarks/gpu_tokens.py --tokens 50000 --compare-tokens 4096 \
+  --workdir /tmp/extract-gpu-tokens --json "$OUTDIR/gpu_tokens.json"
 
 step rss 45 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
 
-rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss /tmp/extract-decode-bench
+rm -rf /tmp/extract-gpu-bench /tmp/extract-gpu-rss /tmp/extract-decode-bench /tmp/extract-gpu-tokens
 echo "logs and JSON in $OUTDIR" | tee -a "$OUTDIR/summary.txt"
 exit "$status"
