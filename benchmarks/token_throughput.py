@@ -231,9 +231,9 @@ def extract_batches(ids: list[list[int]], batch_size: int, tokens_per_batch: int
     np.cumsum([len(i) for i in ids], out=offsets[1:])
     flat = np.concatenate([np.asarray(i, dtype=np.int32) for i in ids])
     plan = Plan(int(offsets[-1]), default_chunk_size(int(offsets[-1]), 768 * itemsize, 1, MAX_TOKEN_CHUNK_SIZE))
-    batches = TextBatches(
-        offsets, flat, plan, range(plan.num_chunks), per_token=True,
-        tokens_per_batch=tokens_per_batch, max_sequences=batch_size, pad_id=0,
+    batches = TextBatches.for_job(
+        offsets, flat, plan, range(plan.num_chunks), per_token=True, tokens_per_batch=tokens_per_batch, pad_id=0,
+        row_bytes=768 * itemsize,
     )  # fmt: skip
     return [batch.inputs for batch in batches if isinstance(batch, TextBatch)]
 
@@ -344,9 +344,10 @@ def padding_waste(store: Path, batch_size: int, tokens_per_batch: int) -> dict[s
     group = zarr.open_group(store, mode="r")
     offsets = np.asarray(group["offsets"][:])
     plan = Plan(int(offsets[-1]), int(group.attrs["chunk_size"]))
-    batches = TextBatches(
+    row_bytes = 768 * np.dtype(group[f"features/{LAYER}"].dtype).itemsize
+    batches = TextBatches.for_job(
         offsets, group["token_ids"], plan, range(plan.num_chunks), per_token=True,
-        tokens_per_batch=tokens_per_batch, max_sequences=batch_size, pad_id=0,
+        tokens_per_batch=tokens_per_batch, pad_id=0, row_bytes=row_bytes,
     )  # fmt: skip
     computed = stored = forwards = 0
     widths = []

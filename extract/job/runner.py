@@ -44,7 +44,7 @@ from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, ChunkBatchSampler, assign, default_chunk_size
 from .progress import JobProgress
 from .spec import JobSpec
-from .text import TextBatch, TextBatches, Tokenized, restore_token_chunks, sort_window, tokenize
+from .text import TextBatch, TextBatches, Tokenized, restore_token_chunks, tokenize
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
@@ -477,10 +477,9 @@ def _text_loop(
     rows selected on the device (``TextSelection``) and handed to the writer."""
     spec, device, text, layers = job.spec, job.state.device, job.text, job.model.layers
     assert text is not None and isinstance(layers, TextLayerSetup)
-    batches = TextBatches(
+    batches = TextBatches.for_job(
         text.offsets, store.array("token_ids"), job.plan, chunks, per_token=text.per_token,
-        tokens_per_batch=text.tokens_per_batch, max_sequences=text.tokens_per_batch, pad_id=job.model.loaded.pad_id,
-        window=sort_window(job.plan.chunk_size, job.sample_bytes, text.tokens_per_batch),
+        tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
     )  # fmt: skip
     # only the token budget bounds a batch: short documents fill it with many sequences (a cap on their
     # number made forwards of a few hundred tokens, slower per token on a CPU)

@@ -188,6 +188,25 @@ class TextBatches:
         self.window = window
         self._owned = set(self.chunks)
 
+    @classmethod
+    def for_job(
+        cls,
+        offsets: np.ndarray,
+        token_ids: Any,
+        plan: Plan,
+        chunks: Sequence[int],
+        *,
+        per_token: bool,
+        tokens_per_batch: int,
+        pad_id: int,
+        row_bytes: int,
+    ) -> TextBatches:
+        """The batches a job runs: bounded by the token budget alone, sorted within ``sort_window``."""
+        return cls(
+            offsets, token_ids, plan, chunks, per_token=per_token, tokens_per_batch=tokens_per_batch,
+            max_sequences=tokens_per_batch, pad_id=pad_id, window=sort_window(plan.chunk_size, row_bytes, tokens_per_batch),
+        )  # fmt: skip
+
     def __iter__(self) -> Iterator[TextBatch | np.ndarray]:
         seen = -1  # the last document run: each runs once per rank
         for at in range(0, len(self.chunks), self.window):
