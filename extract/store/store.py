@@ -217,7 +217,7 @@ class _Skeleton:
             columns += ["token_ids", "special"]
         else:
             columns += ["labels", "valid", *(["keys"] if self.keys is not None else [])]
-        columns += self._stats(group.create_group(STATS), num_chunks)
+        columns += self._stats(group, num_chunks)
         group.create_array(
             DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
             compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},
@@ -239,10 +239,11 @@ class _Skeleton:
                 dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), ROW_NAMES[self.kind]),
             )
 
-    def _stats(self, group: zarr.Group, num_chunks: int) -> list[str]:
-        """``stats/<layer>`` for each layer stored as 1-D rows (``stats.py``): one row per chunk, one
-        object each, written with the chunk. Returns their paths, for the digests' columns."""
-        paths = []
+    def _stats(self, root: zarr.Group, num_chunks: int) -> list[str]:
+        """The ``stats`` group (stores from before it have none), with ``stats/<layer>`` for each layer
+        stored as 1-D rows (``stats.py``): one row per chunk, one object each, written with the chunk.
+        Returns their paths, for the digests' columns."""
+        group, paths = root.create_group(STATS), []
         for layer, shape in self.shapes.items():
             if stats.has_stats(shape):
                 features, width = int(np.prod(shape)), stats.width(int(np.prod(shape)))
