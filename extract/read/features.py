@@ -438,9 +438,8 @@ class Features:
             )
         name = f"{STATS}/{layer}"
         done = np.flatnonzero(self._done).tolist()
-        for k in done:
-            if name in self._lost.get(k, ()):
-                raise self._damaged(f"statistics of layer '{layer}'", k, "are missing")
+        if lost := sorted(set(done) - self.store.stored_chunks(name, done)):  # one listing of this array
+            raise self._damaged(f"statistics of layer '{layer}'", lost[0], "are missing")
         rows = self.store.array(name)
         try:
             recorded = rows.get_orthogonal_selection((np.asarray(done, dtype=np.int64), slice(None)))
