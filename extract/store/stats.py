@@ -51,10 +51,15 @@ def chunk_row(values: np.ndarray) -> np.ndarray:
     features = rows.shape[1]
     row = np.zeros(width(features), dtype=np.float64)
     total, squares = row[len(HEAD) : len(HEAD) + features], row[len(HEAD) + features :]
+    # two float64 buffers reused block after block: fresh ones would page-fault on every block
+    block_buffer = np.empty((min(BLOCK_ROWS, len(rows)), features), dtype=np.float64)
+    square_buffer = np.empty_like(block_buffer)
     count, norms, peak = 0, 0.0, 0.0
     for start in range(0, len(rows), BLOCK_ROWS):
-        block = rows[start : start + BLOCK_ROWS].astype(np.float64)
-        square = np.square(block)
+        stored = rows[start : start + BLOCK_ROWS]
+        block, square = block_buffer[: len(stored)], square_buffer[: len(stored)]
+        block[...] = stored  # the conversion to float64: exact
+        np.multiply(block, block, out=square)
         norm_squared = square.sum(axis=1)  # NaN exactly where the row has a NaN (inf * inf stays inf)
         kept = ~np.isnan(norm_squared)
         if not kept.all():
