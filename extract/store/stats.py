@@ -24,7 +24,8 @@ import numpy as np
 STATS = "stats"  # the group of ``stats/<layer>`` arrays; stores written before statistics have none
 # column ranges [start, stop) of a row for F values a row: the array's ``columns`` attribute
 HEAD = ("count", "sum_norm", "max_abs")
-BLOCK_ROWS = 256  # rows converted to float64 at a time: the temporaries stay in cache, not 2x the chunk
+# values converted to float64 at a time (1 MB): the two buffers stay in cache (2x faster than larger ones)
+BLOCK_VALUES = 2**17
 
 
 def has_stats(shape: Sequence[int]) -> bool:
@@ -52,11 +53,12 @@ def chunk_row(values: np.ndarray) -> np.ndarray:
     row = np.zeros(width(features), dtype=np.float64)
     total, squares = row[len(HEAD) : len(HEAD) + features], row[len(HEAD) + features :]
     # two float64 buffers reused block after block: fresh ones would page-fault on every block
-    block_buffer = np.empty((min(BLOCK_ROWS, len(rows)), features), dtype=np.float64)
+    step = max(1, BLOCK_VALUES // max(1, features))
+    block_buffer = np.empty((min(step, len(rows)), features), dtype=np.float64)
     square_buffer = np.empty_like(block_buffer)
     count, norms, peak = 0, 0.0, 0.0
-    for start in range(0, len(rows), BLOCK_ROWS):
-        stored = rows[start : start + BLOCK_ROWS]
+    for start in range(0, len(rows), step):
+        stored = rows[start : start + step]
         block, square = block_buffer[: len(stored)], square_buffer[: len(stored)]
         block[...] = stored  # the conversion to float64: exact
         np.multiply(block, block, out=square)
