@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 
 STATS = "stats"  # the group of ``stats/<layer>`` arrays; stores written before statistics have none
-# column ranges [start, stop) of a row for F values a row: the array's ``columns`` attribute
-HEAD = ("count", "sum_norm", "max_abs")
+HEAD = ("count", "sum_norm", "max_abs")  # a row's first columns; then sum (F,) and sumsq (F,)
 # values converted to float64 at a time (1 MB): the two buffers stay in cache (2x faster than larger ones)
 BLOCK_VALUES = 2**17
 

@@ -623,7 +623,8 @@ class FeatureStore:
         valid: np.ndarray | None,
     ) -> None:
         """Write one whole chunk of every array and its layers' statistics (``stats.py``), record its
-        objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no labels or valid: theirs were written at creation."""
+        objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no
+        labels or valid: theirs were written at creation."""
         for layer, values in features.items():
             array = self.array(f"features/{layer}")
             array[start:stop] = values

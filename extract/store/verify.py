@@ -1,9 +1,9 @@
 """Check a store: ``python -m extract.verify STORE [--repair]``.
 
 Every chunk marked done must have, in every per-sample array (features, labels, valid, keys) and in
-its layers' statistics (``stats/<layer>``, one row per chunk), an object that is present, decodes, matches its crc32c checksum, and is the object written for that
-chunk: its checksum equals the one recorded in ``digests`` when the chunk was marked done, so a
-swapped, foreign or stale object is named. A store whose status is "complete" must have every chunk
+its layers' statistics (``stats/<layer>``, one row per chunk), an object that is present, decodes,
+matches its crc32c checksum, and is the object written for that chunk: its checksum equals the one
+recorded in ``digests`` when the chunk was marked done, so a swapped, foreign or stale object is named. A store whose status is "complete" must have every chunk
 of its plan done. The identity attributes must match the digests recorded at creation, the
 fingerprint its identity and ``layers`` the arrays under ``features/``; every array's codecs must end
 with the checksum. ``--repair`` restores what can be proven (the checksum codec; an attribute whose
