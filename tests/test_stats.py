@@ -16,6 +16,7 @@ from extract import open_features
 from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.errors import ExtractError, StoreDamagedError
+from extract.store.stats import chunk_row, columns
 from extract.store.store import FeatureStore, _Skeleton
 
 TEXT_LAYERS = ["transformer.h.0", "hidden_states.3"]
@@ -209,3 +210,16 @@ def test_a_store_from_before_statistics_reads_as_before(capsys, monkeypatch, tmp
     with pytest.raises(ExtractError, match="written before stores kept statistics") as error:
         f.stats("layer4")
     assert len(str(error.value).splitlines()) == 1
+
+
+def test_a_chunk_row_leaves_out_nan_rows_and_counts_infinite_ones():
+    values = np.array([[1, -2], [np.nan, 0], [3, 4], [0, np.nan]], dtype=np.float16)
+    row, at = chunk_row(values), columns(2)
+    assert row.shape == (3 + 2 * 2,) and row.dtype == np.float64
+    assert row[slice(*at["count"])].tolist() == [2] and row[slice(*at["max_abs"])].tolist() == [4]
+    assert row[slice(*at["sum_norm"])][0] == pytest.approx(math.sqrt(5) + 5, rel=1e-15)
+    assert row[slice(*at["sum"])].tolist() == [4, 2] and row[slice(*at["sumsq"])].tolist() == [10, 20]
+    beyond = np.array([[np.inf, 1], [2, 2]], dtype=np.float16)  # a value beyond float16's range, as stored
+    row = chunk_row(beyond)
+    assert row[slice(*at["count"])].tolist() == [2] and np.isinf(row[slice(*at["max_abs"])]).all()
+    assert row[slice(*at["sum"])].tolist() == [np.inf, 3]
