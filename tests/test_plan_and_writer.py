@@ -185,6 +185,7 @@ def test_done_flags_listings_and_sizes_go_through_the_zarr_store_not_the_disk(tm
     on_disk.array("features/a")[0:8] = 1.0
     on_disk.array("labels")[0:8] = 1
     on_disk.array("valid")[0:8] = True
+    on_disk.array("stats/a")[0:2] = 0.0  # the chunks' statistics rows (one object per chunk)
     on_disk.array("done")[0:2] = True
     files = {
         path.relative_to(on_disk.path).as_posix(): path.read_bytes()
@@ -199,7 +200,7 @@ def test_done_flags_listings_and_sizes_go_through_the_zarr_store_not_the_disk(tm
         assert store.stored_chunks("done", range(3)) == {0, 1}
         assert store.stored_chunks("features/a", range(3)) == {0, 1}
         assert store.missing_objects() == {}
-        assert sorted(store.missing_objects([2])[2]) == ["features/a", "labels", "valid"]
+        assert sorted(store.missing_objects([2])[2]) == ["features/a", "labels", "stats/a", "valid"]
         assert store.stored_bytes() == sum(len(v) for key, v in files.items() if key.startswith("features/"))
         store.clear_done([1])
         assert store.stored_chunks("done", range(3)) == {0}

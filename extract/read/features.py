@@ -20,6 +20,8 @@ from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
 from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
 from ..store.chunks import Plan
+from ..store.stats import STATS
+from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore
 
 Index = slice | Sequence[int] | np.ndarray | None
@@ -413,6 +415,41 @@ class Features:
         if rows.inverse is not None:
             out = out[torch.from_numpy(rows.inverse)]
         return out if as_torch else out.numpy()
+
+    def stats(self, layer: str) -> dict[str, Any]:
+        """Statistics of ``layer`` over the valid rows of every done chunk, merged from the rows the writer
+        recorded with each chunk (no data read): ``count`` (rows counted; NaN rows of invalid samples and
+        empty documents are not), ``mean`` and ``std`` (population) of each value, (F,) float64,
+        ``mean_norm`` (mean L2 norm of a row), ``max_abs`` and ``scaling_factor`` = sqrt(F) / mean_norm,
+        SAELens's activation normalization factor. Only layers stored as 1-D rows (text layers, pooled
+        image layers) have statistics."""
+        array = self.array(layer)
+        known = self.store.stats_layers()
+        if known is None:
+            raise ExtractError(
+                f"{self.path} was written before stores kept statistics; compute them from load({layer!r}), "
+                "or extract into a new --out to have them"
+            )
+        if layer not in known:
+            shape = ", ".join(map(str, array.shape[1:]))
+            raise ExtractError(
+                f"{self.path}: layer '{layer}' is stored as ({shape}) per row and statistics are kept for 1-D rows "
+                "only; extract it with --pool to have them, or compute them from load()"
+            )
+        name = f"{STATS}/{layer}"
+        done = np.flatnonzero(self._done).tolist()
+        if lost := sorted(set(done) - self.store.stored_chunks(name, done)):  # one listing of this array
+            raise self._damaged(f"statistics of layer '{layer}'", lost[0], "are missing")
+        rows = self.store.array(name)
+        try:
+            recorded = rows.get_orthogonal_selection((np.asarray(done, dtype=np.int64), slice(None)))
+        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
+            bad = next((k for k in done if not _decodes(rows, k, k + 1)), None)
+            if bad is None:
+                raise
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise self._damaged(f"statistics of layer '{layer}'", bad, f"fail their check ({first})") from None
+        return merge_stats(recorded, rows.attrs["columns"], self.shapes[layer])
 
     def layout(self, layer: str) -> str | None:
         """The stored array's layout (``NCHW``, ``NHWC``, ``NLC``, ``NCL``), as the store records it or,

@@ -25,10 +25,11 @@ from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
 from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
-from . import objects
+from . import objects, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, writer_of
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
+from .stats import STATS
 
 SCRATCH = (".creating-", ".trash-", ".debris-")  # sibling directories of a store being built or deleted
 INDEXES = "index"  # the group of saved listings (``index/<name>``, uint8): not per-sample arrays
@@ -216,6 +217,7 @@ class _Skeleton:
             columns += ["token_ids", "special"]
         else:
             columns += ["labels", "valid", *(["keys"] if self.keys is not None else [])]
+        columns += self._stats(group, num_chunks)
         group.create_array(
             DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
             compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},
@@ -236,6 +238,22 @@ class _Skeleton:
                 compressors=checked(codecs(self.compressor)),
                 dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), ROW_NAMES[self.kind]),
             )
+
+    def _stats(self, root: zarr.Group, num_chunks: int) -> list[str]:
+        """The ``stats`` group (stores from before it have none), with ``stats/<layer>`` for each layer
+        stored as 1-D rows (``stats.py``): one row per chunk, one object each, written with the chunk.
+        Returns their paths, for the digests' columns."""
+        group, paths = root.create_group(STATS), []
+        for layer, shape in self.shapes.items():
+            if stats.has_stats(shape):
+                features, width = int(np.prod(shape)), stats.width(int(np.prod(shape)))
+                group.create_array(
+                    layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
+                    compressors=checked(codecs("zstd")), dimension_names=("chunk", f"{layer}.statistic"),
+                    attributes={"columns": stats.columns(features)},
+                )  # fmt: skip
+                paths.append(f"{STATS}/{layer}")
+        return paths
 
     def _per_sample(self, group: zarr.Group) -> None:
         n, c = self.num_samples, self.chunk_size
@@ -302,6 +320,8 @@ class FeatureStore:
         self._arrays: dict[str, zarr.Array] = {}
         self._chunk_of_key: dict[str, dict[str, int]] = {}
         self._has_digests: bool | None = None
+        self._stats_layers: list[str] | None = None
+        self._stats_looked = False
 
     @classmethod
     def create(
@@ -393,7 +413,6 @@ class FeatureStore:
         n, c = attrs.get("num_samples"), attrs.get("chunk_size")
         if not (type(n) is int and type(c) is int and n >= 1 and c >= 1):
             raise StoreDamagedError(f"{self.path}: num_samples {n!r} and chunk_size {c!r} must be positive integers")
-        num_chunks = -(-n // c)
         kind = attrs.get("kind", "images")
         if kind not in KINDS:
             raise StoreDamagedError(f"{self.path}: kind {kind!r} is not one of {', '.join(KINDS)}")
@@ -403,22 +422,29 @@ class FeatureStore:
             expected.update(dict.fromkeys(TEXT_ARRAYS))
         optional = [name for name in ("keys", DIGESTS) if self.has(name)]  # read back, so checked too
         rows_of = self._row_arrays(kind, attrs)
+        per_chunk = {"done", DIGESTS}
         for name in [*expected, "done", *optional]:
-            try:
-                array = self.array(name)
-            except KeyError:
-                raise StoreDamagedError(
-                    f"{self.path} has no array '{name}': it is damaged or not finished being created; "
-                    "rerun the job with --overwrite"
-                ) from None
-            if name not in rows_of and name not in ("done", DIGESTS):
-                continue  # a text store's per-document or token-id arrays: their length is the corpus's
-            rows, chunk = (num_chunks, 1) if name in ("done", DIGESTS) else (n, c)
-            if array.shape[:1] != (rows,) or array.chunks[:1] != (chunk,):
-                raise StoreDamagedError(
-                    f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
-                    f"but the metadata say num_samples {n} and chunk_size {c}; the store was edited or damaged"
-                )
+            self._check_rows(name, per_chunk, rows_of, n, c)
+        for name in [name for name, _ in self.chunk_arrays()]:  # after the layers: their shapes decide these
+            self._check_rows(name, {name}, rows_of, n, c)
+
+    def _check_rows(self, name: str, per_chunk: set[str], rows_of: set[str], n: int, c: int) -> None:
+        """Array ``name`` exists and has N rows in chunks of C (K rows in chunks of 1 if in ``per_chunk``)."""
+        try:
+            array = self.array(name)
+        except KeyError:
+            raise StoreDamagedError(
+                f"{self.path} has no array '{name}': it is damaged or not finished being created; "
+                "rerun the job with --overwrite"
+            ) from None
+        if name not in rows_of and name not in per_chunk:
+            return  # a text store's per-document or token-id arrays: their length is the corpus's
+        rows, chunk = (-(-n // c), 1) if name in per_chunk else (n, c)
+        if array.shape[:1] != (rows,) or array.chunks[:1] != (chunk,):
+            raise StoreDamagedError(
+                f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
+                f"but the metadata say num_samples {n} and chunk_size {c}; the store was edited or damaged"
+            )
 
     @staticmethod
     def _row_arrays(kind: str, attrs: Mapping[str, Any]) -> set[str]:
@@ -427,6 +453,22 @@ class FeatureStore:
         if kind == "tokens":
             return features | {"token_ids", "special"}
         return features | {"labels", "valid", "keys"}
+
+    def stats_layers(self) -> list[str] | None:
+        """The layers that have ``stats/<layer>`` (those stored as 1-D rows, ``stats.py``); None for a store
+        written before stores kept statistics (it has no ``stats`` group)."""
+        if not self._stats_looked:  # asked once per chunk written: look once
+            self._stats_looked = True
+            if self.has(STATS):
+                layers = self.attrs.get("layers", [])
+                self._stats_layers = [
+                    layer for layer in layers if stats.has_stats(self.array(f"features/{layer}").shape[1:])
+                ]
+        return None if self._stats_layers is None else list(self._stats_layers)
+
+    def chunk_arrays(self) -> list[tuple[str, zarr.Array]]:
+        """The arrays written per chunk with one row per chunk (``stats/<layer>``), by path."""
+        return [(f"{STATS}/{layer}", self.array(f"{STATS}/{layer}")) for layer in self.stats_layers() or []]
 
     @property
     def kind(self) -> str:
@@ -515,7 +557,8 @@ class FeatureStore:
                 if name in rows:
                     yield name, self.array(name)
             elif name not in ("done", DIGESTS) and member.shape[:1] == (n,):
-                if not name.startswith(f"{INDEXES}/"):  # a saved index of N bytes is no sample array
+                # a saved index of N bytes is no sample array, nor statistics of N chunks of one sample
+                if not name.startswith((f"{INDEXES}/", f"{STATS}/")):
                     yield name, self.array(name)
 
     def chunk_key(self, array: zarr.Array, chunk: int) -> str:
@@ -543,7 +586,7 @@ class FeatureStore:
         Every chunk written is stored (write_empty_chunks), so an absent one was lost."""
         chunks = np.flatnonzero(self.done_flags()).tolist() if chunks is None else chunks
         missing: dict[int, list[str]] = {}
-        for name, _ in self.sample_arrays():
+        for name, _ in [*self.sample_arrays(), *self.chunk_arrays()]:
             stored = self.stored_chunks(name, chunks)
             for k in chunks:
                 if k not in stored:
@@ -579,10 +622,14 @@ class FeatureStore:
         labels: np.ndarray | None,
         valid: np.ndarray | None,
     ) -> None:
-        """Write one whole chunk of every array, record its objects' digests, then mark it done: a crash
-        before the mark redoes it. Text stores pass no labels or valid: theirs were written at creation."""
+        """Write one whole chunk of every array and its layers' statistics (``stats.py``), record its
+        objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no
+        labels or valid: theirs were written at creation."""
         for layer, values in features.items():
-            self.array(f"features/{layer}")[start:stop] = values
+            array = self.array(f"features/{layer}")
+            array[start:stop] = values
+            if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
+                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(np.asarray(values, dtype=array.dtype))
         if labels is not None:
             self.array("labels")[start:stop] = labels
         if valid is not None:

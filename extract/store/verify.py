@@ -1,9 +1,9 @@
 """Check a store: ``python -m extract.verify STORE [--repair]``.
 
-Every chunk marked done must have, in every per-sample array (features, labels, valid, keys), an
-object that is present, decodes, matches its crc32c checksum, and is the object written for that
-chunk: its checksum equals the one recorded in ``digests`` when the chunk was marked done, so a
-swapped, foreign or stale object is named. A store whose status is "complete" must have every chunk
+Every chunk marked done must have, in every per-sample array (features, labels, valid, keys) and in
+its layers' statistics (``stats/<layer>``, one row per chunk), an object that is present, decodes,
+matches its crc32c checksum, and is the object written for that chunk: its checksum equals the one
+recorded in ``digests`` when the chunk was marked done, so a swapped, foreign or stale object is named. A store whose status is "complete" must have every chunk
 of its plan done. The identity attributes must match the digests recorded at creation, the
 fingerprint its identity and ``layers`` the arrays under ``features/``; every array's codecs must end
 with the checksum. ``--repair`` restores what can be proven (the checksum codec; an attribute whose
@@ -109,25 +109,31 @@ def verify(store: FeatureStore) -> Report:
     return report
 
 
-def _problem(array: zarr.Array, plan: Plan, chunk: int, stored: set[int]) -> str | None:
+def _problem(array: zarr.Array, rows: slice | int, chunk: int, stored: set[int]) -> str | None:
     if chunk not in stored:
         return "missing"
     try:
-        array[slice(*plan.bounds(chunk))]
+        array[rows]
     except Exception as e:  # noqa: BLE001 - any codec error means the object is damaged
         return f"does not decode ({type(e).__name__})"
     return None
 
 
 def _chunk_problems(store: FeatureStore, plan: Plan, chunks: list[int]) -> dict[int, list[str]]:
-    """Per done chunk, each array whose object is absent or fails to decode (checksum included)."""
-    arrays = list(store.sample_arrays())
-    stored = {name: store.stored_chunks(name, chunks) for name, _ in arrays}  # one listing per array
-    work = [(name, array, k) for name, array in arrays for k in chunks]
+    """Per done chunk, each array whose object is absent or fails to decode (checksum included): the
+    per-sample arrays' rows of the chunk, and its row of each per-chunk array (``stats/<layer>``)."""
+    arrays = [(name, array, False) for name, array in store.sample_arrays()]
+    arrays += [(name, array, True) for name, array in store.chunk_arrays()]
+    stored = {name: store.stored_chunks(name, chunks) for name, _, _ in arrays}  # one listing per array
+    work = [
+        (name, array, k if per_chunk else slice(*plan.bounds(k)), k)
+        for name, array, per_chunk in arrays
+        for k in chunks
+    ]
     found: dict[int, list[str]] = {}
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="extract-verify") as pool:
-        problems = pool.map(lambda item: _problem(item[1], plan, item[2], stored[item[0]]), work)
-        for (name, _, k), problem in zip(work, problems, strict=True):
+        problems = pool.map(lambda item: _problem(item[1], item[2], item[3], stored[item[0]]), work)
+        for (name, _, _, k), problem in zip(work, problems, strict=True):
             if problem is not None:
                 found.setdefault(k, []).append(f"{name} {problem}")
     return found
@@ -138,7 +144,7 @@ def _placement_problems(
 ) -> dict[int, list[str]]:
     """Per done chunk, each array whose object's checksum is not the one recorded for this chunk.
     Objects already found missing or undecodable are not named twice."""
-    present = set(dict(store.sample_arrays()))
+    present = {*dict(store.sample_arrays()), *dict(store.chunk_arrays())}
     names = [name for name in rows.attrs.get("arrays", []) if name in present]
     columns = [list(rows.attrs["arrays"]).index(name) for name in names]
     actual = store.object_digests(chunks, names)
@@ -191,7 +197,8 @@ def _codec_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]:
 
 
 def _unchecked(store: FeatureStore) -> list[str]:
-    arrays = [*dict(store.sample_arrays()), "done", *([] if store.digests_array() is None else ["digests"])]
+    arrays = [*dict(store.sample_arrays()), *dict(store.chunk_arrays()), "done"]
+    arrays += [] if store.digests_array() is None else ["digests"]
     return [name for name in arrays if not isinstance((store.array(name).compressors or (None,))[-1], Crc32cCodec)]
 
 

@@ -1,0 +1,225 @@
+"""Issue 19, statistics at write time: the per-chunk rows the writer records (``stats/<layer>``) and their
+merge (``Features.stats``) against numpy over the stored data, for a token store, a pooled document store
+and a pooled image store, after a resume that redoes some chunks too; verify catches a tampered or lost
+statistics object and ``--repair`` has it recomputed; a store from before statistics reads as before."""
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from text_models import real_documents, save_text_model, write_jsonl
+
+from extract import open_features
+from extract.cli.extract import main as extract_main
+from extract.cli.verify import main as verify_main
+from extract.errors import ExtractError, StoreDamagedError
+from extract.store.stats import chunk_row, columns
+from extract.store.store import FeatureStore, _Skeleton
+
+TEXT_LAYERS = ["transformer.h.0", "hidden_states.3"]
+IMAGE_POOLS = ["layer4=avg", "layer3=max", "layer2=none"]  # layer2 kept whole: (128, 4, 4), no statistics
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    write_jsonl(root / "docs.jsonl", [*real_documents(23), ""])  # the empty document: a NaN row once pooled
+    return root / "docs.jsonl", save_text_model("gpt2", root / "gpt2")
+
+
+def text_job(corpus, out, *extra):
+    data, model = corpus
+    return [
+        "--model", f"hf:{model}", "--layers", *TEXT_LAYERS, "--data", f"text:{data}", "--dtype", "float16",
+        "--context-length", "96", "--chunk-size", "128", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def image_job(out):
+    return [
+        "--model", "resnet18", "--weights", "none", "--layers", "layer2", "layer3", "layer4", "--pool", *IMAGE_POOLS,
+        "--data", "synthetic:22", "--image-size", "32", "--chunk-size", "4", "--batch-size", "6", "--dtype", "float16",
+        "--num-workers", "0", "--out", str(out),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokens(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens") / "t.zarr"
+    assert extract_main(text_job(corpus, out)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    out = tmp_path_factory.mktemp("images") / "i.zarr"
+    assert extract_main(image_job(out)) == 0
+    return out
+
+
+def numpy_stats(values: np.ndarray) -> dict:
+    """The statistics computed independently, over the rows without a NaN, in float64."""
+    rows = values.reshape(len(values), -1).astype(np.float64)
+    rows = rows[~np.isnan(rows).any(axis=1)]
+    norms = np.linalg.norm(rows, axis=1)
+    return {
+        "count": len(rows),
+        "mean": rows.mean(axis=0),
+        "std": rows.std(axis=0),
+        "mean_norm": norms.mean(),
+        "max_abs": np.abs(rows).max(),
+        "sum": rows.sum(axis=0),
+        "sumsq": np.square(rows).sum(axis=0),
+    }
+
+
+def assert_stats_equal_numpy(path, layer: str) -> dict:
+    """``stats(layer)`` and each chunk's recorded row against numpy over the stored values."""
+    f = open_features(path)
+    stored = f.load(layer, dtype=None)  # as stored (float16), converted to float64 by numpy_stats only
+    assert stored.dtype == np.float16
+    expected, got = numpy_stats(stored), f.stats(layer)
+    assert got["count"] == expected["count"]
+    for name in ("mean", "std"):
+        assert got[name].shape == f.shapes[layer]
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert got["mean_norm"] == pytest.approx(expected["mean_norm"], rel=1e-12)
+    assert got["max_abs"] == expected["max_abs"]
+    # SAELens's ActivationScaler: sqrt(d_in) / mean of acts.norm(dim=-1), here over every counted row
+    acts = torch.from_numpy(stored.astype(np.float64))
+    acts = acts[~torch.isnan(acts).any(dim=1)]
+    assert got["scaling_factor"] == pytest.approx(math.sqrt(acts.shape[1]) / acts.norm(dim=-1).mean().item(), rel=1e-12)
+    rows = zarr.open_group(path, mode="r")[f"stats/{layer}"]
+    columns = rows.attrs["columns"]
+    assert rows.dtype == np.float64 and rows.shape == (f.num_chunks, 3 + 2 * stored.shape[1])
+    assert rows.chunks == (1, rows.shape[1])
+    for k in range(f.num_chunks):
+        chunk = numpy_stats(stored[k * f.chunk_size : (k + 1) * f.chunk_size])
+        row = rows[k]
+        assert row[slice(*columns["count"])][0] == chunk["count"]
+        assert row[slice(*columns["max_abs"])][0] == (chunk["max_abs"] if chunk["count"] else 0)
+        if chunk["count"]:
+            assert row[slice(*columns["sum_norm"])][0] == pytest.approx(chunk["mean_norm"] * chunk["count"], rel=1e-12)
+        for name in ("sum", "sumsq"):
+            np.testing.assert_allclose(row[slice(*columns[name])], chunk[name], rtol=1e-12, atol=1e-12, err_msg=name)
+    return got
+
+
+def test_token_store_stats_equal_numpy(tokens):
+    f = open_features(tokens)
+    assert f.num_chunks > 4
+    for layer in TEXT_LAYERS:
+        got = assert_stats_equal_numpy(tokens, layer)
+        assert got["count"] == f.num_samples  # every token of a token store is a counted row
+    digests = zarr.open_group(tokens, mode="r")["digests"].attrs["arrays"]
+    assert [name for name in digests if name.startswith("stats/")] == [f"stats/{layer}" for layer in TEXT_LAYERS]
+
+
+def test_document_store_leaves_out_the_empty_document(corpus, tmp_path):
+    out = tmp_path / "docs.zarr"
+    assert extract_main(text_job(corpus, out, "--pool", "mean", "--chunk-size", "5")) == 0
+    f = open_features(out)
+    assert f.kind == "documents" and np.isnan(f.load(TEXT_LAYERS[0], [23])).all()
+    for layer in TEXT_LAYERS:
+        assert assert_stats_equal_numpy(out, layer)["count"] == 23
+
+
+def test_pooled_image_store_stats_equal_numpy(images):
+    f = open_features(images)
+    assert f.shapes["layer4"] == (512,) and f.shapes["layer2"] == (128, 4, 4)
+    for layer in ("layer3", "layer4"):
+        assert assert_stats_equal_numpy(images, layer)["count"] == 22
+    with pytest.raises(ExtractError, match=r"layer 'layer2' is stored as \(128, 4, 4\) per row .* --pool"):
+        f.stats("layer2")
+    assert "stats/layer2" not in zarr.open_group(images, mode="r")
+
+
+def test_resume_recomputes_the_stats_of_the_chunks_it_redoes(corpus, tokens, tmp_path):
+    out = tmp_path / "resumed.zarr"
+    shutil.copytree(tokens, out)
+    store = FeatureStore.open(out)
+    redo = [1, 3]
+    store.clear_done(redo)
+    before = {layer: store.array(f"stats/{layer}")[:] for layer in TEXT_LAYERS}
+    for layer in TEXT_LAYERS:  # stale rows: only a recomputation makes them right again
+        for k in redo:
+            store.array(f"stats/{layer}")[k] = np.full(before[layer].shape[1], 7.0)
+    assert open_features(out, allow_partial=True).stats(TEXT_LAYERS[0])["count"] < open_features(tokens).num_samples
+    assert extract_main(text_job(corpus, out)) == 0
+    for layer in TEXT_LAYERS:
+        assert_stats_equal_numpy(out, layer)
+        after = zarr.open_group(out, mode="r")[f"stats/{layer}"][:]
+        kept = [k for k in range(len(after)) if k not in redo]
+        np.testing.assert_array_equal(after[kept], before[layer][kept])  # the others were not rewritten
+
+
+def verify(capsys, path, *flags):
+    code = verify_main([str(path), *flags])
+    return code, capsys.readouterr().out.strip()
+
+
+def test_verify_catches_tampered_and_lost_stats_and_repair_recomputes_them(capsys, images, tmp_path):
+    out = tmp_path / "tampered.zarr"
+    shutil.copytree(images, out)
+    rows = zarr.open_group(out, mode="r+")["stats/layer4"]
+    garbled = out / "stats/layer4" / rows.metadata.encode_chunk_key((0, 0))
+    data = bytearray(garbled.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    garbled.write_bytes(bytes(data))
+    rows[2] = rows[2] * 2  # a well-formed object, with its own valid checksum, but not the one written
+    (out / "stats/layer3" / rows.metadata.encode_chunk_key((4, 0))).unlink()
+    code, line = verify(capsys, out)
+    assert code == 1, line
+    assert "3 of 6 chunks damaged" in line
+    assert "chunk 0: stats/layer4 does not decode" in line
+    assert "chunk 2: stats/layer4 is not the object written for this chunk" in line
+    assert "chunk 4: stats/layer3 missing" in line
+    with pytest.raises(StoreDamagedError, match=r"statistics of layer 'layer4', chunk 0 .* fail their check"):
+        open_features(out).stats("layer4")
+    with pytest.raises(StoreDamagedError, match=r"statistics of layer 'layer3', chunk 4 .* are missing"):
+        open_features(out).stats("layer3")
+    code, line = verify(capsys, out, "--repair")
+    assert code == 1 and "cleared their done flags" in line, line
+    assert FeatureStore.open(out, mode="r").pending_chunks() == [0, 2, 4]
+    assert extract_main(image_job(out)) == 0
+    assert verify(capsys, out) == (0, f"extract.verify: {out}: {CLEAN}")
+    for layer in ("layer3", "layer4"):
+        assert_stats_equal_numpy(out, layer)
+    reference = zarr.open_group(images, mode="r")["stats/layer4"]
+    np.testing.assert_array_equal(zarr.open_group(out, mode="r")["stats/layer4"][[0, 2]], reference[[0, 2]])
+
+
+CLEAN = "all 6 done chunks are present and match their checksums and the digests recorded when they were written"
+
+
+def test_a_store_from_before_statistics_reads_as_before(capsys, monkeypatch, tmp_path):
+    """A store built as extract wrote them before statistics (no ``stats`` group, no digests columns for
+    them): it verifies clean and reads as before; only ``stats`` refuses it, in one line."""
+    monkeypatch.setattr(_Skeleton, "_stats", lambda self, root, num_chunks: [])
+    out = tmp_path / "old.zarr"
+    assert extract_main(image_job(out)) == 0
+    monkeypatch.undo()  # read with today's code
+    assert "stats" not in zarr.open_group(out, mode="r")
+    assert verify(capsys, out) == (0, f"extract.verify: {out}: {CLEAN}")
+    f = open_features(out)
+    layer4 = f.load("layer4")
+    assert layer4.shape == (22, 512) and not np.isnan(layer4).any()
+    with pytest.raises(ExtractError, match="written before stores kept statistics") as error:
+        f.stats("layer4")
+    assert len(str(error.value).splitlines()) == 1
+
+
+def test_a_chunk_row_leaves_out_nan_rows_and_counts_infinite_ones():
+    values = np.array([[1, -2], [np.nan, 0], [3, 4], [0, np.nan]], dtype=np.float16)
+    row, at = chunk_row(values), columns(2)
+    assert row.shape == (3 + 2 * 2,) and row.dtype == np.float64
+    assert row[slice(*at["count"])].tolist() == [2] and row[slice(*at["max_abs"])].tolist() == [4]
+    assert row[slice(*at["sum_norm"])][0] == pytest.approx(math.sqrt(5) + 5, rel=1e-15)
+    assert row[slice(*at["sum"])].tolist() == [4, 2] and row[slice(*at["sumsq"])].tolist() == [10, 20]
+    beyond = np.array([[np.inf, 1], [2, 2]], dtype=np.float16)  # a value beyond float16's range, as stored
+    row = chunk_row(beyond)
+    assert row[slice(*at["count"])].tolist() == [2] and np.isinf(row[slice(*at["max_abs"])]).all()
+    assert row[slice(*at["sum"])].tolist() == [np.inf, 3]
