@@ -25,6 +25,7 @@ WINDOW_CHUNKS = 4  # the fewest chunks whose documents are sorted by length toge
 WINDOW_BATCHES = 16  # a window holds this many batches' tokens where its memory allows: padding waste
 # measured on real docstrings (benchmarks/RESULTS.md): 1.25 tokens computed per token stored with a
 # window of 4 chunks of 4096, 1.08 with 16, 1.04 with the whole job
+MAX_PADDING: float | None = 1.1  # tokens computed per real token a batch may reach (None: the budget alone)
 WINDOW_BYTES = 256 * 2**20  # the most chunk buffers a window keeps open (all its chunks fill together)
 
 
@@ -255,12 +256,20 @@ class TextBatches:
         return documents[documents > seen]
 
     def _pack(self, lengths: np.ndarray) -> Iterator[slice]:
-        """Consecutive groups of the (longest first) lengths within the budget."""
+        """Consecutive groups of the (longest first) lengths within the budget, each closed early where
+        the next document would make its padded tokens exceed ``MAX_PADDING`` times its real ones (the
+        short documents' tail would otherwise run at the width of its longest)."""
         start = 0
+        real = np.concatenate([[0], np.cumsum(lengths)])
         while start < len(lengths):
             longest = int(lengths[start])
-            size = max(1, min(self.max_sequences, self.tokens_per_batch // max(1, longest)))
-            yield slice(start, min(start + size, len(lengths)))
+            size = max(1, min(self.max_sequences, self.tokens_per_batch // max(1, longest), len(lengths) - start))
+            if MAX_PADDING is not None and size > 1:
+                counts = np.arange(1, size + 1)
+                padded = counts * longest
+                fits = padded <= MAX_PADDING * (real[start + counts] - real[start])
+                size = int(np.flatnonzero(fits)[-1]) + 1  # the first group always fits (ratio 1)
+            yield slice(start, start + size)
             start += size
 
     def _batch(self, documents: np.ndarray, ids: dict[int, np.ndarray]) -> TextBatch:
