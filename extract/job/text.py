@@ -19,7 +19,7 @@ from accelerate.utils import gather_object
 
 from ..errors import ExtractError
 from ..store.chunks import Plan
-from ..store.store import TextArrays
+from ..store.store import TextArrays, decodes
 
 WINDOW_CHUNKS = 4  # the fewest chunks whose documents are sorted by length together
 WINDOW_BATCHES = 16  # a window holds this many batches' tokens where its memory allows: padding waste
@@ -318,7 +318,7 @@ def restore_token_chunks(
     present = {name: store.stored_chunks(name, chunks) for name in arrays}
     for chunk in chunks:
         start, stop = plan.bounds(chunk)
-        if all(chunk in present[name] and _decodes(array, start, stop) for name, array in arrays.items()):
+        if all(chunk in present[name] and decodes(array, start, stop) for name, array in arrays.items()):
             continue
         first = int(np.searchsorted(offsets, start, side="right")) - 1
         last = int(np.searchsorted(offsets, stop - 1, side="right"))
@@ -334,11 +334,3 @@ def restore_token_chunks(
         arrays["special"][start:stop] = np.concatenate(special)[at]
         restored.append(chunk)
     return restored
-
-
-def _decodes(array: Any, start: int, stop: int) -> bool:
-    try:
-        array[start:stop]
-    except Exception:  # noqa: BLE001 - a codec's complaint about a damaged object
-        return False
-    return True

@@ -22,7 +22,7 @@ from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDa
 from ..store.chunks import Plan
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
-from ..store.store import FeatureStore
+from ..store.store import FeatureStore, decodes
 
 Index = slice | Sequence[int] | np.ndarray | None
 T = TypeVar("T")
@@ -105,14 +105,6 @@ def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iter
             if k + 1 < len(selections):
                 upcoming = background.submit(_read, array, selections[k + 1], buffers[(k + 1) % 2])
             yield block
-
-
-def _decodes(array: zarr.Array, start: int, stop: int) -> bool:
-    try:
-        array[start:stop]
-    except Exception:  # noqa: BLE001 - any codec error means the object is damaged
-        return False
-    return True
 
 
 def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
@@ -336,7 +328,7 @@ class Features:
         except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
             array = self.store.array(name)
             bad = next(
-                (k for k in chunks if not _decodes(array, *Plan(self.num_samples, self.chunk_size).bounds(k))), None
+                (k for k in chunks if not decodes(array, *Plan(self.num_samples, self.chunk_size).bounds(k))), None
             )
             if bad is None:
                 raise
@@ -444,7 +436,7 @@ class Features:
         try:
             recorded = rows.get_orthogonal_selection((np.asarray(done, dtype=np.int64), slice(None)))
         except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
-            bad = next((k for k in done if not _decodes(rows, k, k + 1)), None)
+            bad = next((k for k in done if not decodes(rows, k, k + 1)), None)
             if bad is None:
                 raise
             first = (str(e).splitlines() or [type(e).__name__])[0]

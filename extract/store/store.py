@@ -58,10 +58,26 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None, row: str =
 
 KINDS = ("images", "documents", "tokens")
 ROW_NAMES = {"images": "sample", "documents": "document", "tokens": "token"}
-# arrays per document in a token store: written whole at creation, read whole
-DOCUMENT_ARRAYS = ("labels", "valid", "keys")
 TEXT_ARRAYS = ("offsets", "token_ids", "special")
 TEXT_CHUNK = 2**16  # rows per chunk of the per-document and token-id arrays where they are not row arrays
+
+
+def row_arrays(kind: str, layers: Iterable[str], keys: bool = True) -> list[str]:
+    """The arrays with one row per stored row (chunked like the features, written per chunk), in the
+    order of the ``digests`` columns: a token store's rows are tokens, its labels are per document."""
+    features = [f"features/{layer}" for layer in layers]
+    if kind == "tokens":
+        return [*features, "token_ids", "special"]
+    return [*features, "labels", "valid", *(["keys"] if keys else [])]
+
+
+def decodes(array: zarr.Array, start: int, stop: int) -> bool:
+    """Whether rows ``start:stop`` of ``array`` read back: a damaged object fails its codec's check."""
+    try:
+        array[start:stop]
+    except Exception:  # noqa: BLE001 - any codec error means the object is damaged
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -212,12 +228,7 @@ class _Skeleton:
             "done", shape=(num_chunks,), chunks=(1,), dtype="bool",
             fill_value=False, compressors=[Crc32cCodec()], dimension_names=("chunk",),
         )  # fmt: skip
-        columns = [f"features/{layer}" for layer in self.shapes]
-        if self.kind == "tokens":
-            columns += ["token_ids", "special"]
-        else:
-            columns += ["labels", "valid", *(["keys"] if self.keys is not None else [])]
-        columns += self._stats(group, num_chunks)
+        columns = row_arrays(self.kind, self.shapes, keys=self.keys is not None) + self._stats(group, num_chunks)
         group.create_array(
             DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
             compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},
@@ -421,7 +432,7 @@ class FeatureStore:
         if kind != "images":
             expected.update(dict.fromkeys(TEXT_ARRAYS))
         optional = [name for name in ("keys", DIGESTS) if self.has(name)]  # read back, so checked too
-        rows_of = self._row_arrays(kind, attrs)
+        rows_of = set(row_arrays(kind, attrs.get("layers", [])))
         per_chunk = {"done", DIGESTS}
         for name in [*expected, "done", *optional]:
             self._check_rows(name, per_chunk, rows_of, n, c)
@@ -445,14 +456,6 @@ class FeatureStore:
                 f"{self.path}: array '{name}' has shape {list(array.shape)} in chunks of {list(array.chunks)}, "
                 f"but the metadata say num_samples {n} and chunk_size {c}; the store was edited or damaged"
             )
-
-    @staticmethod
-    def _row_arrays(kind: str, attrs: Mapping[str, Any]) -> set[str]:
-        """The arrays with one row per stored row (chunked like the features, written per chunk)."""
-        features = {f"features/{layer}" for layer in attrs.get("layers", [])}
-        if kind == "tokens":
-            return features | {"token_ids", "special"}
-        return features | {"labels", "valid", "keys"}
 
     def stats_layers(self) -> list[str] | None:
         """The layers that have ``stats/<layer>`` (those stored as 1-D rows, ``stats.py``); None for a store
@@ -551,7 +554,7 @@ class FeatureStore:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
         attrs = self.attrs
         n, kind = attrs["num_samples"], attrs.get("kind", "images")
-        rows = self._row_arrays(kind, attrs)
+        rows = set(row_arrays(kind, attrs.get("layers", [])))
         for name, member in self._members():
             if kind != "images":
                 if name in rows:
