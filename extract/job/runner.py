@@ -486,7 +486,7 @@ def _text_loop(
     rows = max(text.tokens_per_batch, text.context_length)
     staging = HostStaging(job.shapes, rows, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads, rows_only=True)
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
     stop.defer()
     try:
         with (

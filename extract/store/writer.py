@@ -50,11 +50,9 @@ class ChunkWriter:
         plan: Plan,
         shapes: Mapping[str, tuple[int, ...]],
         threads: int = 1,
-        *,
-        rows_only: bool = False,
     ) -> None:
         self.store, self.staging, self.plan = store, staging, plan
-        self.rows_only = rows_only  # text stores: labels and valid were written at creation
+        self.rows_only = store.kind != "images"  # text stores: labels and valid were written at creation
         self.shapes = dict(shapes)
         self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
         self.threads = threads
@@ -151,11 +149,9 @@ class ChunkWriter:
                 open_chunk = self._open.get(chunk)
                 if open_chunk is None:
                     open_chunk = self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype)
-                rows = end - first
-                at: slice | np.ndarray = slice(int(indices[first]) - open_chunk.start, None)
-                if int(indices[end - 1]) - int(indices[first]) == rows - 1:  # contiguous: a slice copies faster
-                    at = slice(at.start, at.start + rows)
-                else:  # a text batch keeps only this rank's tokens of a document
+                rows, at_first = end - first, int(indices[first]) - open_chunk.start
+                at: slice | np.ndarray = slice(at_first, at_first + rows)  # contiguous: a slice copies faster
+                if int(indices[end - 1]) - int(indices[first]) != rows - 1:  # a text batch keeps this rank's tokens
                     at = indices[first:end] - open_chunk.start
                 for name, values in open_chunk.features.items():
                     values[at] = slot.buffers[name][first:end].numpy() if slot is not None else np.nan
@@ -171,7 +167,7 @@ class ChunkWriter:
     def _write(self, chunk: _OpenChunk) -> None:
         invalid = ~chunk.valid
         for name, values in chunk.features.items():
-            if invalid.any() and not self.rows_only:
+            if invalid.any():  # rows of text stores are all valid here (empty documents come as NaN)
                 values[invalid] = np.nan
             if values.dtype == np.float16:  # count ±inf on the bits: half the time of np.isinf
                 self.overflow[name] += int(np.count_nonzero((values.view(np.uint16) & 0x7FFF) == 0x7C00))
