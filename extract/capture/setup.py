@@ -261,8 +261,7 @@ def setup_text_layers(
     (mean, max, first, last): a job is one or the other."""
     outputs = _capture(loaded, model, refs, example, autocast)  # type: ignore[arg-type]
     pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
-    kinds = {name: "token" if value == "none" else "document" for name, value in pools.items()}
-    if len(set(kinds.values())) > 1:
+    if len({value == "none" for value in pools.values()}) > 1:
         given = ", ".join(f"{name}={value}" for name, value in pools.items())
         raise ExtractError(
             f"--pool gives {given}: a text job stores every layer per token (none) or every layer per document "
@@ -279,5 +278,6 @@ def setup_text_layers(
             raise TextShapeError(shape, batch).for_layer(ref.name)  # type: ignore[arg-type]
         shapes[ref.name] = shape[2:]
         layouts[ref.name] = Layout.NLC if len(shape) == 3 else None
-    per_token = next(iter(kinds.values()), "token") == "token"
-    return TextLayerSetup(pools, reduce, layouts, shapes, selection=selection, per_token=per_token)
+    return TextLayerSetup(
+        pools, reduce, layouts, shapes, selection=selection, per_token=all(value == "none" for value in pools.values())
+    )

@@ -36,13 +36,15 @@ def assign(chunks: Sequence[int], world_size: int) -> list[list[int]]:
     Like accelerate's ``split_between_processes``, but over whole chunks (ranks must never
     share a zarr chunk) and returning every rank's share, which the store's provenance records.
     """
-    per_rank, extra = divmod(len(chunks), world_size)
-    runs, start = [], 0
-    for rank in range(world_size):
-        stop = start + per_rank + (rank < extra)
-        runs.append(list(chunks[start:stop]))
-        start = stop
-    return runs
+    return [list(chunks[slice(*share(len(chunks), rank, world_size))]) for rank in range(world_size)]
+
+
+def share(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``rank``'s contiguous run (start, stop) of ``count`` items split into ``world_size`` runs whose
+    lengths differ by at most one, the first ones longer."""
+    per_rank, extra = divmod(count, world_size)
+    start = rank * per_rank + min(rank, extra)
+    return start, start + per_rank + (rank < extra)
 
 
 class ChunkBatchSampler(Sampler[list[int]]):

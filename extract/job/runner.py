@@ -177,6 +177,11 @@ class _Text:
     record: dict[str, Any]  # what decides the token ids: part of the job's identity
 
     @property
+    def kind(self) -> str:
+        """The store's kind: one row per token, or one pooled row per document."""
+        return "tokens" if self.per_token else "documents"
+
+    @property
     def num_documents(self) -> int:
         return len(self.offsets) - 1
 
@@ -345,7 +350,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: _Text |
     text_parts = None
     if text is not None:
         text_parts = {
-            "kind": "tokens" if text.per_token else "documents",
+            "kind": text.kind,
             "tokenization": text.record,
             "num_documents": text.num_documents,
             "num_tokens": text.num_tokens,
@@ -481,9 +486,7 @@ def _text_loop(
         text.offsets, store.array("token_ids"), job.plan, chunks, per_token=text.per_token,
         tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
     )  # fmt: skip
-    # only the token budget bounds a batch: short documents fill it with many sequences (a cap on their
-    # number made forwards of a few hundred tokens, slower per token on a CPU)
-    rows = max(text.tokens_per_batch, text.context_length)
+    rows = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
     staging = HostStaging(job.shapes, rows, getattr(torch, spec.dtype), device)
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
@@ -585,7 +588,7 @@ def _create(job: _Job, out: Path, writer: str) -> FeatureStore:
     kind, arrays = "images", None
     if text is not None:
         assert text.tokenized is not None, "a text store is created from the tokenized corpus"
-        kind, arrays = ("tokens" if text.per_token else "documents"), text.tokenized.arrays
+        kind, arrays = text.kind, text.tokenized.arrays
         if not text.per_token:  # a document without tokens has no pooled row (NaN): not valid for readers
             arrays = dataclasses.replace(arrays, valid=arrays.valid & (np.diff(arrays.offsets) > 0))
     return FeatureStore.create(

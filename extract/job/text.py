@@ -20,6 +20,7 @@ from accelerate.utils import gather_object
 from ..errors import ExtractError
 from ..store.chunks import Plan
 from ..store.store import TextArrays, decodes
+from .plan import share
 
 WINDOW_CHUNKS = 4  # the fewest chunks whose documents are sorted by length together
 WINDOW_BATCHES = 16  # a window holds this many batches' tokens where its memory allows: padding waste
@@ -68,10 +69,10 @@ class Tokenized:
         return notes
 
 
-def _share(num_documents: int, rank: int, world_size: int) -> tuple[int, int]:
-    per_rank, extra = divmod(num_documents, world_size)
-    start = rank * per_rank + min(rank, extra)
-    return start, start + per_rank + (rank < extra)
+def documents_holding(offsets: np.ndarray, start: int, stop: int) -> tuple[int, int]:
+    """The documents (first, last + 1) whose tokens include tokens ``start..stop-1`` (stop > start)."""
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    return first, int(np.searchsorted(offsets, stop - 1, side="right"))
 
 
 def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> Tokenized:
@@ -79,7 +80,7 @@ def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> To
     are gathered on every rank (the plan needs every length before the store exists), the token ids on
     rank 0 only, which creates the store with them (``arrays.token_ids`` is empty elsewhere). A document the source could not
     read (``Document.error``, with --skip-bad-images) is stored with no tokens and valid=False."""
-    start, stop = _share(len(source), state.process_index, state.num_processes)
+    start, stop = share(len(source), state.process_index, state.num_processes)
     ids, special, lengths, labels, valid = [], [], [], [], []
     truncated = dropped = 0
     for index, document in zip(range(start, stop), source.documents(start, stop), strict=True):
@@ -166,9 +167,10 @@ class TextBatches:
     ``per_token``: rows are tokens and ``plan`` chunks them; a document runs in the window of its first
     row in ``chunks`` and keeps its rows that are in ``chunks``. Otherwise rows are documents. Within a
     window documents are sorted by length (longest first) and packed while B x T stays within
-    ``tokens_per_batch`` and B within ``max_sequences``; a longer document runs alone. Token ids are read
-    from the store (``token_ids``), window by window: a resume never tokenizes again. ``empty`` yields,
-    per window, the document rows with no tokens (a document store still has their row, NaN)."""
+    ``tokens_per_batch`` (however many documents that takes; see ``_pack`` for the padding limit); a
+    longer document runs alone. Token ids are read from the store (``token_ids``), window by window: a
+    resume never tokenizes again. In a document store each window also yields, as an array, its
+    documents with no tokens (they still have a row, NaN)."""
 
     def __init__(
         self,
@@ -179,13 +181,12 @@ class TextBatches:
         *,
         per_token: bool,
         tokens_per_batch: int,
-        max_sequences: int,
         pad_id: int,
         window: int = WINDOW_CHUNKS,
     ) -> None:
         self.offsets, self.token_ids, self.plan = offsets, token_ids, plan
         self.chunks, self.per_token = list(chunks), per_token
-        self.tokens_per_batch, self.max_sequences, self.pad_id = tokens_per_batch, max_sequences, pad_id
+        self.tokens_per_batch, self.pad_id = tokens_per_batch, pad_id
         self.window = window
         self._owned = set(self.chunks)
 
@@ -202,10 +203,13 @@ class TextBatches:
         pad_id: int,
         row_bytes: int,
     ) -> TextBatches:
-        """The batches a job runs: bounded by the token budget alone, sorted within ``sort_window``."""
+        """The batches a job runs, sorted within ``sort_window`` chunks (``row_bytes``: a row's stored size).
+        Only the token budget bounds a batch: short documents fill it with many sequences (a cap on their
+        number made forwards of a few hundred tokens, slower per token on a CPU)."""
+        window = sort_window(plan.chunk_size, row_bytes, tokens_per_batch)
         return cls(
-            offsets, token_ids, plan, chunks, per_token=per_token, tokens_per_batch=tokens_per_batch,
-            max_sequences=tokens_per_batch, pad_id=pad_id, window=sort_window(plan.chunk_size, row_bytes, tokens_per_batch),
+            offsets, token_ids, plan, chunks, per_token=per_token, tokens_per_batch=tokens_per_batch, pad_id=pad_id,
+            window=window,
         )  # fmt: skip
 
     def __iter__(self) -> Iterator[TextBatch | np.ndarray]:
@@ -244,10 +248,8 @@ class TextBatches:
         spans = []
         for chunk in window:
             start, stop = self.plan.bounds(chunk)
-            if self.per_token:  # the documents that hold tokens start..stop-1 (none are empty)
-                lo = int(np.searchsorted(self.offsets, start, side="right")) - 1
-                hi = int(np.searchsorted(self.offsets, stop - 1, side="right"))
-                spans.append(np.arange(lo, hi))
+            if self.per_token:
+                spans.append(np.arange(*documents_holding(self.offsets, start, stop)))
             else:
                 spans.append(np.arange(start, stop))
         documents = np.unique(np.concatenate(spans))
@@ -263,7 +265,7 @@ class TextBatches:
         real = np.concatenate([[0], np.cumsum(lengths)])
         while start < len(lengths):
             longest = int(lengths[start])
-            size = max(1, min(self.max_sequences, self.tokens_per_batch // max(1, longest), len(lengths) - start))
+            size = max(1, min(self.tokens_per_batch // max(1, longest), len(lengths) - start))
             if MAX_PADDING is not None and size > 1:
                 counts = np.arange(1, size + 1)
                 padded = counts * longest
@@ -299,11 +301,10 @@ class TextBatches:
 
     def _owned_rows(self, start: int, length: int) -> np.ndarray:
         """Which of a document's tokens fall in this rank's chunks."""
-        size = self.plan.chunk_size
-        chunk_of = (start + np.arange(length)) // size
-        if chunk_of[0] == chunk_of[-1]:
-            return np.full(length, int(chunk_of[0]) in self._owned)
-        return np.isin(chunk_of, list(self._owned))
+        chunk_of = (start + np.arange(length)) // self.plan.chunk_size
+        first = int(chunk_of[0])
+        owned = np.array([chunk in self._owned for chunk in range(first, int(chunk_of[-1]) + 1)])
+        return owned[chunk_of - first]  # a document spans a few chunks: ask the set about those only
 
 
 def restore_token_chunks(
@@ -320,8 +321,7 @@ def restore_token_chunks(
         start, stop = plan.bounds(chunk)
         if all(chunk in present[name] and decodes(array, start, stop) for name, array in arrays.items()):
             continue
-        first = int(np.searchsorted(offsets, start, side="right")) - 1
-        last = int(np.searchsorted(offsets, stop - 1, side="right"))
+        first, last = documents_holding(offsets, start, stop)
         ids, special = [], []
         for document in source.documents(first, last):
             if document.error:
