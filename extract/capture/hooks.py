@@ -18,6 +18,7 @@ from ..errors import ExtractError
 from .layers import LayerRef, closest, resolve_layers, select
 from .layout import shape_tree
 from .pooling import Pool, PoolShapeError
+from .tokens import TextShapeError
 
 Sink = Callable[[str, torch.Tensor], None]
 Edit = Callable[[torch.Tensor], Any]
@@ -183,7 +184,7 @@ class Capture:
         if reduce is not None:
             try:
                 value = reduce(value)
-            except PoolShapeError as e:
+            except (PoolShapeError, TextShapeError) as e:  # the message names the layer
                 raise e.for_layer(ref.name) from None
         if self.sink is not None:
             self.sink(ref.name, value)
