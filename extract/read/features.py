@@ -201,6 +201,14 @@ class Features:
         """``images``, ``documents`` (text, one pooled row per document) or ``tokens`` (one row per token)."""
         return self.store.kind
 
+    @property
+    def pack(self) -> dict[str, Any] | None:
+        """A packed token store's packing (``--pack T``): ``context_length`` T, ``contexts``, ``bos`` and
+        ``separator`` ids (None where the model has none), ``dropped_tokens`` (the last short context) and
+        ``source_documents``; None for any other store. Its samples are the contexts, and the per-token
+        ``doc`` and ``doc_position`` map each token back to its source document."""
+        return self.attrs.get("pack")
+
     @cached_property
     def labels(self) -> np.ndarray:
         """(N,) int64, -1 where the data had none; in a token store (N_docs,): labels are per document."""
