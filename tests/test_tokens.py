@@ -46,6 +46,17 @@ def _job(corpus, kind, out, *extra):
     ]  # fmt: skip
 
 
+PACK = 48
+
+
+def _packed_job(corpus, kind, out, *extra):
+    root, _, _, models = corpus
+    return [
+        "--model", f"hf:{models[kind]}", "--layers", *LAYERS[kind], "--data", f"text:{root / 'docs.jsonl'}",
+        "--dtype", "float32", "--pack", str(PACK), "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
 def _alone(model_dir, kind, document):
     """transformers itself on one document: token ids, special-token mask and every hidden state."""
     import transformers as tf
@@ -153,7 +164,11 @@ def launched(corpus, tmp_path_factory):
     killed = two_folder / "killed.zarr"
     whole = ["--chunk-size", "64", "--tokens-per-batch", "256"]
     two = Sequence(
-        2, {"whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole), "killed": _job(corpus, "gpt2", killed, *SMALL_CHUNKS)},
+        2, {
+            "whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole),
+            "packed": _packed_job(corpus, "gpt2", two_folder / "packed.zarr", "--chunk-size", "100"),
+            "killed": _job(corpus, "gpt2", killed, *SMALL_CHUNKS),
+        },
         two_folder,
     )  # fmt: skip
     job = two.start()
@@ -166,7 +181,11 @@ def launched(corpus, tmp_path_factory):
     partial = open_features(killed, allow_partial=True)
     done_before = int(partial.store.done_flags().sum())
     three = Sequence(
-        3, {"whole": _job(corpus, "gpt2", three_folder / "p3.zarr", *whole), "resume": _job(corpus, "gpt2", killed, *SMALL_CHUNKS)},
+        3, {
+            "whole": _job(corpus, "gpt2", three_folder / "p3.zarr", *whole),
+            "packed": _packed_job(corpus, "llama", three_folder / "packed.zarr", "--chunk-size", "100"),
+            "resume": _job(corpus, "gpt2", killed, *SMALL_CHUNKS),
+        },
         three_folder,
     )  # fmt: skip
     finished = three.run(timeout=300)
@@ -214,6 +233,126 @@ def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_ta
     assert (repaired.token_ids == reference.token_ids).all()
     for layer in reference.layers:
         assert _close(repaired.load(layer), reference.load(layer)), layer
+
+
+def _packed_by_hand(model_dir, documents, separator_is_bos):
+    """The contexts SAELens builds, from transformers' own tokenizer: each document's content tokens,
+    EOS (BOS for Llama) between two documents, cut into BOS + PACK - 1 tokens; and per token its
+    document and position (-1 for the inserted ones)."""
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
+    separator = tokenizer.bos_token_id if separator_is_bos else tokenizer.eos_token_id
+    stream, doc, position = [], [], []
+    for i, document in enumerate(documents):
+        ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+        if not ids:
+            continue
+        if stream:
+            stream, doc, position = stream + [separator], doc + [-1], position + [-1]
+        stream, doc, position = stream + ids, doc + [i] * len(ids), position + list(range(len(ids)))
+    contexts = len(stream) // (PACK - 1)
+
+    def shaped(values, first):
+        body = np.array(values[: contexts * (PACK - 1)]).reshape(contexts, PACK - 1)
+        return np.concatenate([np.full((contexts, 1), first), body], axis=1)
+
+    return (
+        shaped(stream, tokenizer.bos_token_id),
+        shaped(doc, -1),
+        shaped(position, -1),
+        len(stream) - contexts * (PACK - 1),
+    )
+
+
+@pytest.mark.parametrize("processes, kind", [(2, "gpt2"), (3, "llama")])
+def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(corpus, launched, processes, kind):
+    import transformers as tf
+
+    _, documents, _, models = corpus
+    sequence = launched["two" if processes == 2 else "three"]
+    result = sequence.result("packed")
+    assert result.codes == [0] * processes, result.stderr[-3000:]
+    assert "contexts of 48 tokens" in result.stderr and "were dropped" in result.stderr, result.stderr[-3000:]
+    f = open_features(sequence.folder / "packed.zarr")
+    contexts, doc, position, tail = _packed_by_hand(models[kind], documents, separator_is_bos=kind == "llama")
+    assert f.kind == "tokens" and f.num_documents == len(contexts) and (np.diff(f.offsets) == PACK).all()
+    assert f.pack["contexts"] == len(contexts) and f.pack["dropped_tokens"] == tail
+    assert f.pack["source_documents"] == len(documents)
+    assert f.token_ids.tolist() == contexts.reshape(-1).tolist()
+    assert (f.doc == doc.reshape(-1)).all() and (f.doc_position == position.reshape(-1)).all()
+    assert (f.special == (doc.reshape(-1) < 0)).all()  # the docstrings hold no special token of their own
+    assert f.keys.tolist() == [f"docs.jsonl/{i}" for i in range(len(documents))]
+    assert f.token_positions.tolist() == np.tile(np.arange(PACK), len(contexts)).tolist()
+    model = tf.AutoModelForCausalLM.from_pretrained(models[kind]).eval()
+    with torch.inference_mode():
+        out = model(input_ids=torch.from_numpy(contexts), output_hidden_states=True)
+    for layer, number in HIDDEN[kind].items():
+        assert _close(f.load(layer), out.hidden_states[number].reshape(-1, out.hidden_states[0].shape[-1]).numpy()), (
+            layer
+        )
+
+
+def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(corpus, launched, tmp_path):
+    import shutil
+
+    from extract.cli.extract import main
+    from extract.cli.verify import main as verify
+
+    original = launched["two"].folder / "packed.zarr"
+    store = tmp_path / "packed.zarr"
+    shutil.copytree(original, store)
+    for chunk in (
+        store / "token_ids" / "c" / "2",
+        store / "doc" / "c" / "4",
+        store / "features" / "transformer.h.0" / "c" / "1" / "0",
+    ):
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        chunk.write_bytes(bytes(raw))
+    (store / "doc_position" / "c" / "3").unlink()
+    assert verify([str(store), "--repair"]) == 1
+    assert main(_packed_job(corpus, "gpt2", store, "--chunk-size", "100")) == 0
+    assert verify([str(store)]) == 0
+    repaired, reference = open_features(store), open_features(original)
+    for name in ("token_ids", "special", "doc", "doc_position"):
+        assert (getattr(repaired, name) == getattr(reference, name)).all(), name
+    for layer in reference.layers:
+        assert _close(repaired.load(layer), reference.load(layer)), layer
+
+
+def test_another_pack_length_is_another_job(corpus, launched, tmp_path, cli):
+    import shutil
+
+    store = tmp_path / "packed.zarr"
+    shutil.copytree(launched["two"].folder / "packed.zarr", store)
+    job = _packed_job(corpus, "gpt2", store)
+    job[job.index("--pack") + 1] = "40"
+    code, _, err = cli(*job)
+    assert code == 2 and "tokenization" in err, err
+    assert open_features(store).pack["context_length"] == PACK
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--pack", "100000"], "beyond the model's 256 positions"),
+        (["--pack", "1"], "leaves no room beside the BOS"),
+        (["--pack", "48", "--context-length", "96"], "give one of them"),
+        (["--pack", "48", "--pool", "mean"], "does not combine with --pool"),
+        (["--pack", "200", "--data", "SHORT"], "too few for one context of --pack 200"),
+    ],
+)  # fmt: skip
+def test_bad_pack_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, extra, words):
+    root, _, _, models = corpus
+    out = tmp_path / "bad.zarr"
+    args = ["--model", f"hf:{models['gpt2']}", "--layers", "transformer.h.0", "--data", f"text:{root / 'docs.jsonl'}"]
+    write_jsonl(tmp_path / "short.jsonl", ["A few words."])
+    extra = [f"text:{tmp_path / 'short.jsonl'}" if value == "SHORT" else value for value in extra]
+    code, _, err = cli(*args, "--out", str(out), *extra)
+    assert code == 2 and words in err, err
+    assert len(_own_lines(err)) == 1 and "Traceback" not in err, err
+    assert not out.exists()
 
 
 def test_xarray_opens_token_layers_with_their_dimension_names(gpt2_reference):

@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="text: tokens kept per document, longer ones truncated (default: the model's positions, at most 2048)",
     )
     p.add_argument(
+        "--pack",
+        type=int,
+        metavar="T",
+        help="text: concatenate the documents (separated by EOS, or BOS where the model starts sequences with it) "
+        "into contexts of exactly T tokens, each starting with BOS; the last short context is dropped",
+    )
+    p.add_argument(
         "--tokens-per-batch",
         type=int,
         metavar="N",

@@ -44,7 +44,7 @@ from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, ChunkBatchSampler, assign, default_chunk_size
 from .progress import JobProgress
 from .spec import JobSpec
-from .text import TextBatch, TextBatches, Tokenized, restore_token_chunks, tokenize
+from .text import Packing, TextBatch, TextBatches, Tokenized, restore_token_chunks, tokenize
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
@@ -175,6 +175,8 @@ class _Text:
     tokens_per_batch: int
     tokenized: Tokenized | None  # None: the store being resumed holds the tokens
     record: dict[str, Any]  # what decides the token ids: part of the job's identity
+    packing: Packing | None = None
+    pack: dict[str, Any] | None = None  # a packed store's ``pack`` attribute
 
     @property
     def kind(self) -> str:
@@ -304,10 +306,14 @@ def _text(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
             f"--context-length {spec.context_length} is beyond the model's {positions} positions; "
             f"use at most {positions}"
         )
-    context = spec.context_length or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+    if spec.pack is not None and positions is not None and spec.pack > positions:
+        raise ExtractError(f"--pack {spec.pack} is beyond the model's {positions} positions; use at most {positions}")
+    context = spec.pack or spec.context_length or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+    packing = _packing(spec, loaded, layers)
     record = {
         "tokenizer": loaded.tokenizer_record(),
         "context_length": context,
+        **({"pack": packing.record()} if packing is not None else {}),
         "text_key": spec.text_key,
         "label_key": spec.label_key,
         "data": data.dataset.spec,
@@ -317,12 +323,33 @@ def _text(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     identity = (existing or {}).get("identity") or {}
     if not spec.overwrite and identity.get("tokenization") == record:
         offsets = FeatureStore.open(Path(spec.out), mode="r").array("offsets")[:]
-        return _Text(offsets, context, layers.per_token, budget, None, record)
-    tokenized = tokenize(data.dataset, loaded, context, state)
+        return _Text(offsets, context, layers.per_token, budget, None, record, packing, (existing or {}).get("pack"))
+    tokenized = tokenize(data.dataset, loaded, context, state, packing)
     if tokenized.arrays.num_tokens == 0:
+        if packing is not None:
+            raise ExtractError(
+                f"--data {spec.data} has {tokenized.tail_tokens} tokens, too few for one context of --pack "
+                f"{spec.pack}; give more text or a smaller --pack"
+            )
         raise ExtractError(f"--data {spec.data} has no tokens: every document is empty; point it at text")
     data.notes.extend(tokenized.notes(context))
-    return _Text(tokenized.arrays.offsets, context, layers.per_token, budget, tokenized, record)
+    offsets, pack = tokenized.arrays.offsets, tokenized.pack_record()
+    return _Text(offsets, context, layers.per_token, budget, tokenized, record, packing, pack)
+
+
+def _packing(spec: JobSpec, model: Any, layers: TextLayerSetup) -> Packing | None:
+    """``--pack``'s contexts for this model's tokenizer, or None without it."""
+    if spec.pack is None:
+        return None
+    if not layers.per_token:
+        raise ExtractError(
+            f"--pack {spec.pack} stores every token of its contexts; it does not combine with --pool "
+            f"{spec.pool} (drop --pool, or drop --pack to pool each document)"
+        )
+    bos, separator = model.packing_tokens()
+    if bos is not None and spec.pack < 2:
+        raise ExtractError(f"--pack {spec.pack} leaves no room beside the BOS each context starts with; use 2 or more")
+    return Packing(spec.pack, bos, separator)
 
 
 def _plan(
@@ -354,6 +381,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: _Text |
             "tokenization": text.record,
             "num_documents": text.num_documents,
             "num_tokens": text.num_tokens,
+            "pack": text.pack,
         }
     return JobParts(
         text=text_parts,
@@ -611,7 +639,7 @@ def _share(
         assert job.text is not None
         text = job.text
         restored = restore_token_chunks(
-            store, job.data.dataset, job.model.loaded, text.context_length, plan, text.offsets, pending
+            store, job.data.dataset, job.model.loaded, text.context_length, plan, text.offsets, pending, text.packing
         )
         if restored:
             log(f"extract: token ids of {len(restored)} damaged chunks tokenized again (chunk {restored[0]} first)")

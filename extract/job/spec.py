@@ -46,6 +46,7 @@ class JobSpec:
     label_key: str | None = None
     text_key: str | None = None
     context_length: int | None = None
+    pack: int | None = None
     tokens_per_batch: int | None = None
     decode: str = "pil"
     exif_transpose: bool = False
@@ -57,10 +58,15 @@ class JobSpec:
         for name in ("batch_size", "writer_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("chunk_size", "image_size", "context_length", "tokens_per_batch"):
+        for name in ("chunk_size", "image_size", "context_length", "tokens_per_batch", "pack"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ExtractError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        if self.pack is not None and self.context_length is not None and self.pack != self.context_length:
+            raise ExtractError(
+                f"--pack {self.pack} makes contexts of {self.pack} tokens, but --context-length is "
+                f"{self.context_length}; give one of them (--pack alone sets the context length)"
+            )
         if not (math.isfinite(self.timeout) and 0 < self.timeout <= MAX_TIMEOUT):
             raise ExtractError(
                 f"--timeout must be positive seconds, at most {MAX_TIMEOUT} (a week), got {self.timeout}"

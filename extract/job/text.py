@@ -43,6 +43,84 @@ class Encoder(Protocol):
 
     def encode(self, text: str | None, input_ids: Sequence[int] | None, context_length: int) -> Any: ...
 
+    def encode_content(self, text: str | None, input_ids: Sequence[int] | None) -> np.ndarray: ...
+
+    def special_ids(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Packing:
+    """``--pack T``: the documents' content tokens concatenated, ``separator`` between two documents,
+    cut into contexts of exactly T tokens that each start with ``bos`` (where the model has one); the
+    tail too short for a context is dropped. Deterministic: the order of the documents decides it."""
+
+    context_length: int
+    bos: int | None
+    separator: int | None
+
+    @property
+    def content(self) -> int:
+        """Stream tokens per context."""
+        return self.context_length - (self.bos is not None)
+
+    def stream_length(self, lengths: np.ndarray) -> int:
+        """Tokens in the stream: every document's, and a separator between two non-empty ones."""
+        filled = int((lengths > 0).sum())
+        return int(lengths.sum()) + (self.separator is not None) * max(0, filled - 1)
+
+    def num_contexts(self, lengths: np.ndarray) -> int:
+        return self.stream_length(lengths) // self.content
+
+    def record(self) -> dict[str, Any]:
+        return {"context_length": self.context_length, "bos": self.bos, "separator": self.separator}
+
+    def pack(self, ids: np.ndarray, lengths: np.ndarray, special_ids: np.ndarray) -> PackedTokens:
+        """The contexts of documents whose content tokens are ``ids`` (concatenated, ``lengths`` each)."""
+        filled = np.flatnonzero(lengths > 0)
+        sizes = lengths[filled]
+        gap = int(self.separator is not None)
+        total = self.stream_length(lengths)
+        stream_ids = np.full(total, self.separator if gap else 0, dtype=np.int32)
+        stream_doc = np.full(total, -1, dtype=np.int32)
+        stream_position = np.full(total, -1, dtype=np.int32)
+        starts = np.concatenate([[0], np.cumsum(sizes + gap)[:-1]]).astype(np.int64)  # each document's first
+        firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        within = np.arange(int(sizes.sum())) - np.repeat(firsts, sizes)
+        at = np.repeat(starts, sizes) + within
+        stream_ids[at], stream_doc[at], stream_position[at] = ids, np.repeat(filled, sizes), within
+        inserted = np.ones(total, dtype=bool)
+        inserted[at] = False
+        contexts = total // self.content
+        kept = contexts * self.content
+
+        def shaped(values: np.ndarray, start: int) -> np.ndarray:
+            body = values[:kept].reshape(contexts, self.content)
+            if self.bos is None:
+                return body.reshape(-1)
+            return np.concatenate([np.full((contexts, 1), start, dtype=values.dtype), body], axis=1).reshape(-1)
+
+        token_ids = shaped(stream_ids, self.bos or 0)
+        special = shaped(inserted, True) | np.isin(token_ids, special_ids)
+        return PackedTokens(
+            token_ids=token_ids,
+            special=special,
+            doc=shaped(stream_doc, -1),
+            doc_position=shaped(stream_position, -1),
+            dropped=int((~inserted[kept:]).sum()),
+        )
+
+
+@dataclass
+class PackedTokens:
+    """Packed contexts, flat: per token its id, whether it is special (the inserted BOS and separators
+    too), its source document and its position there (-1 for inserted tokens)."""
+
+    token_ids: np.ndarray
+    special: np.ndarray
+    doc: np.ndarray
+    doc_position: np.ndarray
+    dropped: int  # content tokens of the last short context
+
 
 @dataclass
 class Tokenized:
@@ -53,19 +131,40 @@ class Tokenized:
     dropped: int = 0  # tokens those cuts removed
     empty: int = 0  # documents of zero tokens (stored empty)
     invalid: int = 0  # documents that could not be read (--skip-bad-images), stored empty and invalid
+    packing: Packing | None = None
+    source_documents: int = 0  # packed: the documents the contexts were cut from
+    tail_tokens: int = 0  # packed: the stream's last tokens, too few for a context, dropped
+
+    def pack_record(self) -> dict[str, Any] | None:
+        """What a packed store records of its packing (``Features.pack``); None when not packed."""
+        if self.packing is None:
+            return None
+        return {
+            **self.packing.record(),
+            "contexts": self.arrays.num_documents,
+            "dropped_tokens": self.tail_tokens,
+            "source_documents": self.source_documents,
+        }
 
     def notes(self, context_length: int) -> list[str]:
         """What the user should know about the tokenization, one line each."""
         notes = []
+        if self.packing is not None:
+            notes.append(
+                f"extract: packed {self.source_documents} documents into {self.arrays.num_documents} contexts of "
+                f"{context_length} tokens; the last {self.tail_tokens} tokens, too few for a context, were dropped"
+            )
         if self.truncated:
             notes.append(
                 f"extract: {self.truncated} documents longer than --context-length {context_length} were truncated "
                 f"({self.dropped} tokens dropped)"
             )
         if self.empty:
-            notes.append(f"extract: {self.empty} documents have no tokens; they are stored empty")
+            stored = "none are in the contexts" if self.packing else "they are stored empty"
+            notes.append(f"extract: {self.empty} documents have no tokens; {stored}")
         if self.invalid:
-            notes.append(f"extract: {self.invalid} documents could not be read; they are stored empty with valid=False")
+            stored = "left out of the contexts" if self.packing else "stored empty with valid=False"
+            notes.append(f"extract: {self.invalid} documents could not be read; they are {stored}")
         return notes
 
 
@@ -75,23 +174,27 @@ def documents_holding(offsets: np.ndarray, start: int, stop: int) -> tuple[int, 
     return first, int(np.searchsorted(offsets, stop - 1, side="right"))
 
 
-def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> Tokenized:
+def tokenize(source: Any, model: Encoder, context_length: int, state: Any, packing: Packing | None = None) -> Tokenized:
     """Every document tokenized once: rank r takes a contiguous share; the lengths, labels and validity
     are gathered on every rank (the plan needs every length before the store exists), the token ids on
     rank 0 only, which creates the store with them (``arrays.token_ids`` is empty elsewhere). A document the source could not
-    read (``Document.error``, with --skip-bad-images) is stored with no tokens and valid=False."""
+    read (``Document.error``, with --skip-bad-images) is stored with no tokens and valid=False. With
+    ``packing`` the documents' content tokens are packed into contexts (rank 0 packs; every rank
+    computes the contexts' offsets from the lengths)."""
     start, stop = share(len(source), state.process_index, state.num_processes)
     ids, special, lengths, labels, valid = [], [], [], [], []
     truncated = dropped = 0
     for index, document in zip(range(start, stop), source.documents(start, stop), strict=True):
-        if document.error:
-            encoded_ids, encoded_special, cut = np.zeros(0, np.int32), np.zeros(0, bool), 0
-        else:
+        encoded_ids, encoded_special, cut = np.zeros(0, np.int32), np.zeros(0, bool), 0
+        if not document.error:
             try:
-                encoded = model.encode(document.text, document.input_ids, context_length)
+                if packing is None:
+                    encoded = model.encode(document.text, document.input_ids, context_length)
+                    encoded_ids, encoded_special, cut = encoded.ids, encoded.special, encoded.dropped
+                else:
+                    encoded_ids = model.encode_content(document.text, document.input_ids)
             except ValueError as e:
                 raise ExtractError(f"document {source.describe(index)}: {e}") from None
-            encoded_ids, encoded_special, cut = encoded.ids, encoded.special, encoded.dropped
         ids.append(np.asarray(encoded_ids, dtype=np.int32))
         special.append(np.asarray(encoded_special, dtype=bool))
         lengths.append(len(encoded_ids))
@@ -113,12 +216,19 @@ def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> To
     parts = gather_object([meta]) if state.num_processes > 1 else [meta]
     token_parts = _gather_on_main(tokens, state)  # only the store's creator needs every token id
     lengths_all = np.concatenate([p["lengths"] for p in parts])
+    valid_all = np.concatenate([p["valid"] for p in parts])
+    token_ids = np.concatenate([p[0] for p in token_parts]) if token_parts else np.zeros(0, np.int32)
+    counts = {
+        "empty": int(((lengths_all == 0) & valid_all).sum()),
+        "invalid": int((~valid_all).sum()),
+    }
+    if packing is not None:
+        return _packed(packing, model, lengths_all, token_ids if token_parts else None, **counts)
     offsets = np.zeros(len(lengths_all) + 1, dtype=np.int64)
     np.cumsum(lengths_all, out=offsets[1:])
-    valid_all = np.concatenate([p["valid"] for p in parts])
     arrays = TextArrays(
         offsets=offsets,
-        token_ids=np.concatenate([p[0] for p in token_parts]) if token_parts else np.zeros(0, np.int32),
+        token_ids=token_ids,
         special=np.concatenate([p[1] for p in token_parts]) if token_parts else np.zeros(0, bool),
         labels=np.concatenate([p["labels"] for p in parts]),
         valid=valid_all,
@@ -127,8 +237,34 @@ def tokenize(source: Any, model: Encoder, context_length: int, state: Any) -> To
         arrays,
         truncated=sum(p["truncated"] for p in parts),
         dropped=sum(p["dropped"] for p in parts),
-        empty=int(((lengths_all == 0) & valid_all).sum()),
-        invalid=int((~valid_all).sum()),
+        **counts,
+    )
+
+
+def _packed(
+    packing: Packing, model: Encoder, lengths: np.ndarray, token_ids: np.ndarray | None, *, empty: int, invalid: int
+) -> Tokenized:
+    """The packed corpus: ``token_ids`` (every document's content, on the store's creator only; None
+    elsewhere, which needs the offsets alone)."""
+    contexts = packing.num_contexts(lengths)
+    offsets = np.arange(contexts + 1, dtype=np.int64) * packing.context_length
+    empty_tokens = np.zeros(0, np.int32)
+    packed = PackedTokens(empty_tokens, np.zeros(0, bool), empty_tokens, empty_tokens, dropped=0)
+    if token_ids is not None:
+        packed = packing.pack(token_ids, lengths, model.special_ids())
+    # the tail a context would need is known from the lengths alone, so every rank says the same
+    tail = packing.stream_length(lengths) - contexts * packing.content
+    arrays = TextArrays(
+        offsets=offsets,
+        token_ids=packed.token_ids,
+        special=packed.special,
+        labels=np.full(contexts, -1, dtype=np.int64),  # a context has no label; its documents' keys say where
+        valid=np.ones(contexts, dtype=bool),
+        doc=packed.doc,
+        doc_position=packed.doc_position,
+    )
+    return Tokenized(
+        arrays, empty=empty, invalid=invalid, packing=packing, source_documents=len(lengths), tail_tokens=tail
     )
 
 
@@ -308,19 +444,47 @@ class TextBatches:
 
 
 def restore_token_chunks(
-    store: Any, source: Any, model: Encoder, context_length: int, plan: Plan, offsets: np.ndarray, chunks: Sequence[int]
+    store: Any,
+    source: Any,
+    model: Encoder,
+    context_length: int,
+    plan: Plan,
+    offsets: np.ndarray,
+    chunks: Sequence[int],
+    packing: Packing | None = None,
 ) -> list[int]:
-    """Rewrite the token ids and special flags of those ``chunks`` (about to be recomputed) whose objects
-    are lost or fail their checksum (``verify --repair`` cleared them), from the documents that hold
-    those tokens, tokenized again: the features are computed from the stored ids, so the ids must be
-    whole first. The job's identity guarantees the same tokenizer and data. Returns the chunks restored."""
-    restored = []
-    arrays = {name: store.array(name) for name in ("token_ids", "special")}
+    """Rewrite the token ids and special flags (packed: and sources) of those ``chunks`` (about to be
+    recomputed) whose objects are lost or fail their checksum (``verify --repair`` cleared them), from
+    the documents that hold those tokens, tokenized again: the features are computed from the stored
+    ids, so the ids must be whole first. The job's identity guarantees the same tokenizer and data.
+    A packed store's contexts depend on every document before them, so the corpus is packed again
+    whole (a repair is rare; a fresh job would tokenize as much). Returns the chunks restored."""
+    names = ("token_ids", "special", *(("doc", "doc_position") if packing is not None else ()))
+    arrays = {name: store.array(name) for name in names}
     present = {name: store.stored_chunks(name, chunks) for name in arrays}
-    for chunk in chunks:
+    damaged = [
+        chunk
+        for chunk in chunks
+        if not all(chunk in present[name] and decodes(array, *plan.bounds(chunk)) for name, array in arrays.items())
+    ]
+    if not damaged:
+        return []
+    if packing is not None:
+        lengths, ids = [], []
+        for document in source.documents(0, len(source)):
+            content = (
+                np.zeros(0, np.int32) if document.error else model.encode_content(document.text, document.input_ids)
+            )
+            lengths.append(len(content))
+            ids.append(np.asarray(content, dtype=np.int32))
+        packed = packing.pack(np.concatenate(ids), np.asarray(lengths, dtype=np.int64), model.special_ids())
+        for chunk in damaged:
+            start, stop = plan.bounds(chunk)
+            for name, array in arrays.items():
+                array[start:stop] = getattr(packed, name)[start:stop]
+        return damaged
+    for chunk in damaged:
         start, stop = plan.bounds(chunk)
-        if all(chunk in present[name] and decodes(array, start, stop) for name, array in arrays.items()):
-            continue
         first, last = documents_holding(offsets, start, stop)
         ids, special = [], []
         for document in source.documents(first, last):
@@ -332,5 +496,4 @@ def restore_token_chunks(
         at = slice(start - int(offsets[first]), stop - int(offsets[first]))
         arrays["token_ids"][start:stop] = np.concatenate(ids)[at]
         arrays["special"][start:stop] = np.concatenate(special)[at]
-        restored.append(chunk)
-    return restored
+    return damaged

@@ -123,6 +123,40 @@ class TextModel(LoadedModel):
             content - len(encoding.ids),
         )
 
+    def encode_content(self, text: str | None, input_ids: Sequence[int] | None) -> np.ndarray:
+        """One document's content tokens for packing (``--pack``): ``tokenizer(text,
+        add_special_tokens=False)``, never truncated (contexts are cut from the concatenation), or
+        ``input_ids`` as given, checked to lie in the vocabulary. Exactly one of the two is given."""
+        if (text is None) == (input_ids is None):
+            raise ValueError("encode_content takes text or input_ids, exactly one of them")
+        if input_ids is not None:
+            return self._encode_ids(input_ids, len(input_ids)).ids
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, not {type(text).__name__}")
+        if self._backend is None:
+            return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        return np.asarray(self._backend.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def packing_tokens(self) -> tuple[int | None, int | None]:
+        """(start, separator) of packed contexts, the way SAELens and sparsify build them: a context
+        starts with BOS (CLS for an encoder without one); documents are separated by BOS where the
+        tokenizer itself starts every sequence with it (Llama), else by EOS (GPT-2), else SEP (BERT),
+        else BOS. None where the tokenizer has no such token."""
+        tokenizer = self.tokenizer
+        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.cls_token_id
+        starts_with_bos = False
+        if tokenizer.bos_token_id is not None:
+            ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+            starts_with_bos = bool(ids) and ids[0] == tokenizer.bos_token_id
+        candidates = (tokenizer.bos_token_id,) if starts_with_bos else ()
+        candidates += (tokenizer.eos_token_id, tokenizer.sep_token_id, tokenizer.bos_token_id)
+        separator = next((int(i) for i in candidates if i is not None), None)
+        return (None if bos is None else int(bos)), separator
+
+    def special_ids(self) -> np.ndarray:
+        """The ids a packed context flags special where they occur in a document's content."""
+        return self._special_ids()
+
     def _encode_slow(self, text: str, context_length: int) -> Encoded:
         """A tokenizer without a ``tokenizers`` backend: its own call, and a second for the count."""
         encoded = self.tokenizer(text, truncation=True, max_length=context_length, return_special_tokens_mask=True)

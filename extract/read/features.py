@@ -258,6 +258,26 @@ class Features:
         """(N_tokens,) bool: the tokenizer's special tokens (BOS, CLS, SEP...), for readers to drop."""
         return self._text_array("special")
 
+    @cached_property
+    def doc(self) -> np.ndarray:
+        """(N_tokens,) int32, packed stores (``--pack``): each token's source document (an index into
+        ``keys``), -1 for the BOS and separators packing inserted."""
+        return self._packed_array("doc")
+
+    @cached_property
+    def doc_position(self) -> np.ndarray:
+        """(N_tokens,) int32, packed stores: each token's position among its source document's content
+        tokens, -1 for inserted ones."""
+        return self._packed_array("doc_position")
+
+    def _packed_array(self, name: str) -> np.ndarray:
+        if self.pack is None:
+            raise ExtractError(
+                f"{self.path} is not packed; '{name}' belongs to stores extracted with --pack (its rows' "
+                "documents are token_documents)"
+            )
+        return self._text_array(name)
+
     @property
     def num_documents(self) -> int:
         return len(self.offsets) - 1

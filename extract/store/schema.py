@@ -156,4 +156,5 @@ class JobParts:
             "num_tokens": text["num_tokens"],
             "tokenizer": tokenization["tokenizer"],
             "context_length": tokenization["context_length"],
+            **({"pack": dict(text["pack"])} if text.get("pack") is not None else {}),
         }

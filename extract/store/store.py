@@ -59,15 +59,18 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None, row: str =
 KINDS = ("images", "documents", "tokens")
 ROW_NAMES = {"images": "sample", "documents": "document", "tokens": "token"}
 TEXT_ARRAYS = ("offsets", "token_ids", "special")
+TOKEN_ARRAYS = ("token_ids", "special")
+PACKED_ARRAYS = ("doc", "doc_position")
 TEXT_CHUNK = 2**16  # rows per chunk of the per-document and token-id arrays where they are not row arrays
 
 
-def row_arrays(kind: str, layers: Iterable[str], keys: bool = True) -> list[str]:
+def row_arrays(kind: str, layers: Iterable[str], keys: bool = True, packed: bool = False) -> list[str]:
     """The arrays with one row per stored row (chunked like the features, written per chunk), in the
-    order of the ``digests`` columns: a token store's rows are tokens, its labels are per document."""
+    order of the ``digests`` columns: a token store's rows are tokens, its labels are per document
+    (``packed``: per context, and each token has its source document and position)."""
     features = [f"features/{layer}" for layer in layers]
     if kind == "tokens":
-        return [*features, "token_ids", "special"]
+        return [*features, *TOKEN_ARRAYS, *(PACKED_ARRAYS if packed else ())]
     return [*features, "labels", "valid", *(["keys"] if keys else [])]
 
 
@@ -89,6 +92,14 @@ class TextArrays:
     special: np.ndarray  # (N_tokens,) bool
     labels: np.ndarray  # (N_docs,) int64
     valid: np.ndarray  # (N_docs,) bool
+    # packed (--pack): the documents are contexts, and each token knows its source document and its
+    # position there (-1 for the BOS and separators packing inserted)
+    doc: np.ndarray | None = None  # (N_tokens,) int32
+    doc_position: np.ndarray | None = None  # (N_tokens,) int32
+
+    @property
+    def packed(self) -> bool:
+        return self.doc is not None
 
     @property
     def num_documents(self) -> int:
@@ -228,7 +239,9 @@ class _Skeleton:
             "done", shape=(num_chunks,), chunks=(1,), dtype="bool",
             fill_value=False, compressors=[Crc32cCodec()], dimension_names=("chunk",),
         )  # fmt: skip
-        columns = row_arrays(self.kind, self.shapes, keys=self.keys is not None) + self._stats(group, num_chunks)
+        packed = self.text is not None and self.text.packed
+        columns = row_arrays(self.kind, self.shapes, keys=self.keys is not None, packed=packed)
+        columns += self._stats(group, num_chunks)
         group.create_array(
             DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
             compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},
@@ -306,10 +319,15 @@ class _Skeleton:
                 group.create_array(
                     name, shape=(0,), chunks=(1,), dtype=dtype, compressors=zstd, dimension_names=("token",)
                 )
+        if text.packed:
+            assert text.doc is not None and text.doc_position is not None
+            whole("doc", text.doc.astype(np.int32), token_chunk, "token")
+            whole("doc_position", text.doc_position.astype(np.int32), token_chunk, "token")
         whole("labels", text.labels.astype(np.int64), document_chunk, "document")
         whole("valid", text.valid.astype(bool), document_chunk, "document")
-        if self.keys is not None:
-            whole("keys", np.asarray(self.keys, dtype=STRINGS), document_chunk, "document", dtype=str)
+        if self.keys is not None:  # packed: the source documents' keys, which ``doc`` indexes
+            keys_dimension = "source_document" if text.packed else "document"
+            whole("keys", np.asarray(self.keys, dtype=STRINGS), document_chunk, keys_dimension, dtype=str)
 
     def _indexes(self, group: zarr.Group) -> None:
         """Each saved index as a uint8 array: a member of the hierarchy, so zarr (and object storage)
@@ -431,8 +449,11 @@ class FeatureStore:
         expected.update(labels=None, valid=None)
         if kind != "images":
             expected.update(dict.fromkeys(TEXT_ARRAYS))
+        packed = attrs.get("pack") is not None
+        if packed:
+            expected.update(dict.fromkeys(PACKED_ARRAYS))
         optional = [name for name in ("keys", DIGESTS) if self.has(name)]  # read back, so checked too
-        rows_of = set(row_arrays(kind, attrs.get("layers", [])))
+        rows_of = set(row_arrays(kind, attrs.get("layers", []), packed=packed))
         per_chunk = {"done", DIGESTS}
         for name in [*expected, "done", *optional]:
             self._check_rows(name, per_chunk, rows_of, n, c)
@@ -554,7 +575,7 @@ class FeatureStore:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
         attrs = self.attrs
         n, kind = attrs["num_samples"], attrs.get("kind", "images")
-        rows = set(row_arrays(kind, attrs.get("layers", [])))
+        rows = set(row_arrays(kind, attrs.get("layers", []), packed=attrs.get("pack") is not None))
         for name, member in self._members():
             if kind != "images":
                 if name in rows:
