@@ -74,6 +74,9 @@ step sources 115 "$PY" benchmarks/gpu_sources.py --samples 2048 --compare 64 --j
 step tokens 45 "$PY" benchmarks/gpu_tokens.py --tokens 50000 --compare-tokens 4096 \
   --workdir /tmp/extract-gpu-tokens --json "$OUTDIR/gpu_tokens.json"
 
+step tokens_mapped 45 "$PY" benchmarks/gpu_tokens.py --device-map --tokens 20000 --compare-tokens 4096 \
+  --workdir /tmp/extract-gpu-tokens --json "$OUTDIR/gpu_tokens_mapped.json"
+
 step rss 45 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
 

@@ -17,6 +17,9 @@ on a machine without a GPU; the throughput it reports is then the CPU's.
 
     python benchmarks/gpu_tokens.py --json gpu_tokens.json
     python benchmarks/gpu_tokens.py --device cpu --tokens 3000 --compare-tokens 1500   # no GPU
+
+``--device-map`` loads the tested job's model with ``--device-map auto`` (accelerate's dispatch over
+the GPUs the process sees; with one GPU every module is on it, behind accelerate's hooks).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from token_throughput import LAYER, ROOT, build_model, corpus_pool, select_docum
 CONTEXT = 128
 
 
-def run_job(model_dir: Path, docs: Path, out: Path, precision: str, cuda: bool, batch_size: int) -> dict:
+def run_job(
+    model_dir: Path, docs: Path, out: Path, precision: str, cuda: bool, batch_size: int, extra: list[str] | None = None
+) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env["HF_HUB_OFFLINE"] = "1"
     if not cuda:
@@ -45,7 +50,7 @@ def run_job(model_dir: Path, docs: Path, out: Path, precision: str, cuda: bool, 
     command = [
         sys.executable, "-m", "extract", "--model", f"hf:{model_dir}", "--layers", LAYER, "--data", f"text:{docs}",
         "--context-length", str(CONTEXT), "--batch-size", str(batch_size), "--dtype", "float32",
-        "--precision", precision, "--out", str(out), "--overwrite",
+        "--precision", precision, "--out", str(out), "--overwrite", *(extra or []),
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
@@ -98,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=5e-2)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/extract-gpu-tokens"))
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--device-map", action="store_true", help="the tested job loads the model with --device-map auto (dispatched)"
+    )
     args = p.parse_args(argv)
     if args.device == "cuda":
         import torch
@@ -119,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         with files[name].open("w", encoding="utf-8") as f:
             f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
 
-    tested = run_job(model_dir, files["all"], work / "bf16.zarr", "bf16", args.device == "cuda", args.batch_size)
+    mapped = ["--device-map", "auto"] if args.device_map else []
+    tested = run_job(
+        model_dir, files["all"], work / "bf16.zarr", "bf16", args.device == "cuda", args.batch_size, mapped
+    )
     reference = run_job(model_dir, files["head"], work / "fp32.zarr", "fp32", False, args.batch_size)
     report = {
         "device": args.device,

@@ -355,6 +355,22 @@ def test_bad_pack_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, ext
     assert not out.exists()
 
 
+def test_device_map_auto_on_the_cpu_equals_the_plain_run(corpus, gpt2_reference, tmp_path, cli, monkeypatch):
+    """Without a GPU accelerate's dispatch puts every module on the CPU: the path runs whole here
+    (several GPUs: benchmarks/gpu_check.sh)."""
+    out = tmp_path / "mapped.zarr"
+    code, _, err = cli(*_job(corpus, "gpt2", out, "--device-map", "auto"))
+    assert code == 0, err
+    mapped, reference = open_features(out), open_features(gpt2_reference)
+    assert mapped.attrs["job"]["device_map"] == "auto"
+    assert mapped.attrs["fingerprint"] == reference.attrs["fingerprint"]  # where the model ran is no identity
+    for layer in reference.layers:
+        assert _close(mapped.load(layer), reference.load(layer)), layer
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    code, _, err = cli(*_job(corpus, "gpt2", tmp_path / "two.zarr", "--device-map", "auto"))
+    assert code == 2 and "launch one process per node" in err and len(_own_lines(err)) == 1, err
+
+
 def test_xarray_opens_token_layers_with_their_dimension_names(gpt2_reference):
     xr = pytest.importorskip("xarray")
     ds = xr.open_zarr(gpt2_reference, group="features", consolidated=False)

@@ -14,20 +14,23 @@ import torch
 
 
 class Slot:
-    """Host buffers for one batch; ``event`` marks the end of its device-to-host copies (CUDA)."""
+    """Host buffers for one batch; ``events`` mark the end of its device-to-host copies (CUDA), one per
+    device the batch's layers came from."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], cuda: bool) -> None:
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
         self.buffers = buffers
-        self.event = torch.cuda.Event(blocking=True) if cuda else None  # the writer sleeps, not spins
+        self.events: dict[torch.device, torch.cuda.Event] = {}  # reused batch after batch
+        self.sources: set[torch.device] = set()  # the devices this batch copied from
 
 
 class HostStaging:
     """A pool of ``slots`` host buffers of ``batch_size`` rows per layer, in the storage dtype.
 
-    On CUDA the copies run on a side stream: the copy waits for the compute stream up to the hook,
-    the source is a fresh tensor (cast and made contiguous on the compute stream, so a later
-    in-place op in the forward cannot race the copy) kept alive with ``record_stream``, and the
-    slot's event is what the writer waits on. Elsewhere ``stage`` is a plain synchronous copy.
+    On CUDA the copies run on a side stream of the layer's own device (a model dispatched with
+    ``--device-map`` has layers on several GPUs): the copy waits for that device's compute stream up
+    to the hook, the source is a fresh tensor (cast and made contiguous on the compute stream, so a
+    later in-place op in the forward cannot race the copy) kept alive with ``record_stream``, and the
+    slot's events are what the writer waits on. Elsewhere ``stage`` is a plain synchronous copy.
     """
 
     def __init__(
@@ -41,7 +44,7 @@ class HostStaging:
         self.dtype = dtype
         self.device = device
         self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.num_slots = slots
         self.current: Slot | None = None
         self._free: queue.Queue[Slot] = queue.Queue()
@@ -50,7 +53,7 @@ class HostStaging:
                 name: torch.empty((batch_size, *shape), dtype=dtype, pin_memory=self.cuda)
                 for name, shape in shapes.items()
             }
-            self._free.put(Slot(buffers, self.cuda))
+            self._free.put(Slot(buffers))
 
     def acquire(self, check: Callable[[], None] = lambda: None) -> Slot:
         """A free slot, made the one ``stage`` fills; waits while all are in use (backpressure),
@@ -59,6 +62,7 @@ class HostStaging:
             check()
             try:
                 self.current = self._free.get(timeout=0.1)
+                self.current.sources.clear()
                 return self.current
             except queue.Empty:
                 continue
@@ -71,21 +75,29 @@ class HostStaging:
         slot = self.current
         assert slot is not None, "acquire() a slot before the forward"
         target = slot.buffers[name][: value.shape[0]]
-        if self.copy_stream is None:
+        if value.device.type != "cuda":
             target.copy_(value)
             return
+        source = value.device
+        stream = self.copy_streams.get(source)
+        if stream is None:
+            stream = self.copy_streams[source] = torch.cuda.Stream(source)
         fresh = value.to(dtype=self.dtype, memory_format=torch.contiguous_format, copy=True)
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
+        stream.wait_stream(torch.cuda.current_stream(source))
+        with torch.cuda.stream(stream):
             target.copy_(fresh, non_blocking=True)
-        fresh.record_stream(self.copy_stream)
+        fresh.record_stream(stream)
+        slot.sources.add(source)
 
     def seal(self, slot: Slot) -> None:
         """Mark the end of the batch's copies; the writer waits on this before reading the slot."""
-        if slot.event is not None:
-            slot.event.record(self.copy_stream)
+        for source in slot.sources:
+            event = slot.events.get(source)
+            if event is None:
+                event = slot.events[source] = torch.cuda.Event(blocking=True)  # the writer sleeps, not spins
+            event.record(self.copy_streams[source])
 
     @staticmethod
     def wait(slot: Slot) -> None:
-        if slot.event is not None:
-            slot.event.synchronize()
+        for source in slot.sources:
+            slot.events[source].synchronize()

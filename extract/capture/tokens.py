@@ -43,11 +43,12 @@ class TextReduce:
         assert mask is not None, "the loop sets the batch's selection before the forward"
         if x.dim() < 3 or tuple(x.shape[:2]) != tuple(mask.shape):
             raise TextShapeError(tuple(x.shape), tuple(mask.shape))
+        # a model dispatched over several GPUs (--device-map) has layers on other devices than its inputs
         if self.pool == "none":
             assert self.selection.flat is not None
-            return x.flatten(0, 1)[self.selection.flat]
-        pooled = pool_tokens(x, mask, self.pool)
-        return pooled if self.selection.order is None else pooled[self.selection.order]
+            return x.flatten(0, 1)[self.selection.flat.to(x.device)]
+        pooled = pool_tokens(x, mask.to(x.device), self.pool)
+        return pooled if self.selection.order is None else pooled[self.selection.order.to(x.device)]
 
 
 def pool_tokens(x: torch.Tensor, mask: torch.Tensor, pool: str) -> torch.Tensor:

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="text: tokens kept per document, longer ones truncated (default: the model's positions, at most 2048)",
     )
     p.add_argument(
+        "--device-map",
+        metavar="auto",
+        help="text: spread a model too large for one GPU over every GPU this process sees (accelerate's big-model "
+        "dispatch); launch one process per node",
+    )
+    p.add_argument(
         "--pack",
         type=int,
         metavar="T",

@@ -32,6 +32,7 @@ from ..data.gpu_decode import GpuDecoder, collate_encoded
 from ..data.text import TextSource
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
+from ..models.hf_text import input_device
 from ..store.chunks import Plan
 from ..store.schema import JobParts, codecs
 from ..store.store import FeatureStore, saved_index
@@ -224,6 +225,7 @@ class _Job:
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     codecs(spec.compressor)  # an unknown --compressor is refused before the model is built
+    _check_device_map(spec, state)
     model = _model_and_layers(spec, state.device)
     data = _data(spec, state, existing, model)
     text = _text(spec, state, existing, model, data) if isinstance(data.dataset, TextSource) else None
@@ -232,12 +234,32 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan, text).attributes(), text)
 
 
+def _check_device_map(spec: JobSpec, state: PartialState) -> None:
+    """``--device-map auto`` gives one process every GPU of its node: a second process on the node would
+    place a second copy on the same GPUs."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if spec.device_map is not None and local > 1:
+        raise ExtractError(
+            f"--device-map {spec.device_map} spreads the model over every GPU of a process, but {local} processes "
+            "run on this node; launch one process per node (accelerate launch --num_processes = the number of nodes)"
+        )
+
+
 def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
-    loaded = build_model(spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision)
+    loaded = build_model(
+        spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision,
+        device_map=spec.device_map,
+    )  # fmt: skip
+    if spec.device_map is not None and loaded.kind != "text":
+        raise ExtractError(
+            f"--device-map applies to hf: text models; --model {spec.model} is not one (drop --device-map)"
+        )
     if loaded.kind == "text":  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
         autocast = contextlib.nullcontext()
-        module = loaded.model.to(device)
+        # a dispatched model stays where accelerate put it; it takes its inputs on its embeddings' device
+        module = loaded.model if spec.device_map else loaded.model.to(device)
+        device = input_device(module)
         refs = resolve_layers(module, spec.layers, loaded.aliases)
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
         text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast)
@@ -508,7 +530,8 @@ def _text_loop(
 ) -> None:
     """``_loop`` for text: token-budget batches of this rank's chunks (``TextBatches``), each forward's
     rows selected on the device (``TextSelection``) and handed to the writer."""
-    spec, device, text, layers = job.spec, job.state.device, job.text, job.model.layers
+    spec, text, layers = job.spec, job.text, job.model.layers
+    device = input_device(job.model.module)  # the process's device, or a dispatched model's first
     assert text is not None and isinstance(layers, TextLayerSetup)
     batches = TextBatches.for_job(
         text.offsets, store.array("token_ids"), job.plan, chunks, per_token=text.per_token,

@@ -15,6 +15,7 @@ from ..errors import ExtractError
 
 DTYPES = ("float16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICE_MAPS = ("auto",)
 MAX_TIMEOUT = 7 * 24 * 3600  # a barrier waited on for longer than a week is a hang, not a slow peer
 SEEDS = range(-(2**63), 2**64)  # what torch.manual_seed takes
 
@@ -47,6 +48,7 @@ class JobSpec:
     text_key: str | None = None
     context_length: int | None = None
     pack: int | None = None
+    device_map: str | None = None
     tokens_per_batch: int | None = None
     decode: str = "pil"
     exif_transpose: bool = False
@@ -80,6 +82,10 @@ class JobSpec:
             raise ExtractError(f"unknown --dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
         if self.decode not in DECODES:
             raise ExtractError(f"unknown --decode '{self.decode}'; choose one of {', '.join(DECODES)}")
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ExtractError(
+                f"unknown --device-map '{self.device_map}'; choose {', '.join(DEVICE_MAPS)} (accelerate's big-model dispatch)"
+            )
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ExtractError(f"unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}")
 

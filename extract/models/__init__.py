@@ -40,14 +40,26 @@ def build_model(
     *,
     load_weights: bool = True,
     precision: str | None = None,
+    device_map: str | None = None,
 ) -> LoadedModel:
     """The model in eval mode on the CPU, with its source's own preprocessing and a description of
     its weights. ``load_weights=False`` builds the architecture only and never downloads
     (``--list-layers``). ``precision`` (fp32 | bf16 | fp16) is the dtype text models load their
-    weights in (None: fp32); image models stay in fp32 and ignore it."""
+    weights in (None: fp32); image models stay in fp32 and ignore it. ``device_map`` ("auto") spreads a
+    text model over the GPUs this process sees (everything on the CPU without one); other sources
+    refuse it."""
     source, source_name = registry.resolve(name)
     load = load_weights and checkpoint is None
-    request = ModelRequest(weights, checkpoint, seed, image_size, load, hub_offline=hub_offline(), precision=precision)
+    request = ModelRequest(
+        weights,
+        checkpoint,
+        seed,
+        image_size,
+        load,
+        hub_offline=hub_offline(),
+        precision=precision,
+        device_map=device_map,
+    )
     torch.manual_seed(seed)
     loaded = source.build(source_name, request)
     loaded.source = source.name

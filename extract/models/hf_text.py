@@ -272,6 +272,21 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
+def _dispatch(model: Any) -> Any:
+    """A model made in memory (a random init) spread the way ``from_pretrained(device_map="auto")``
+    spreads saved weights: accelerate's own device map over the visible GPUs, then its dispatch."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    device_map = infer_auto_device_map(model, no_split_module_classes=getattr(model, "_no_split_modules", None))
+    model.hf_device_map = device_map
+    return dispatch_model(model, device_map)
+
+
+def input_device(model: Any) -> torch.device:
+    """Where a dispatched model takes its token ids: the device of its input embeddings."""
+    return model.get_input_embeddings().weight.device
+
+
 def build(name: str, request: ModelRequest) -> TextModel:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -287,12 +302,15 @@ def build(name: str, request: ModelRequest) -> TextModel:
     if request.load_weights and request.weights.lower() == "default":
 
         def load(source: str, **options: Any) -> Any:
-            return auto.from_pretrained(source, dtype=dtype, **options)
+            placed = {"device_map": request.device_map} if request.device_map else {}
+            return auto.from_pretrained(source, dtype=dtype, **placed, **options)
 
         model = _load("the weights", name, load, offline, TEXT_PARTS)
         description = f"hf:{name}"
     else:
         model = auto.from_config(config).to(dtype)
+        if request.device_map:
+            model = _dispatch(model)
         description = f"none (random init, seed {request.seed}; config of hf:{name})"
     model.eval()
     loaded = TextModel(
