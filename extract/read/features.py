@@ -253,6 +253,21 @@ class Features:
         """(N_tokens,) int32: every document's token ids as the model saw them, special tokens included."""
         return self._text_array("token_ids")
 
+    def load_token_ids(self, tokens: slice) -> np.ndarray:
+        """(n,) int32: the token ids of the tokens ``tokens`` picks, read now from the chunks that hold
+        them (``token_ids`` reads every token's and keeps them)."""
+        if self.kind == "images":
+            raise ExtractError(
+                f"{self.path} is an image store; token ids belong to text stores (kind tokens or documents)"
+            )
+        array = self.store.array("token_ids")
+        try:
+            return np.asarray(array[slice(*tokens.indices(array.shape[0]))])
+        except ValueError as e:  # a codec's complaint about a damaged object
+            raise StoreDamagedError(
+                f"{self.path}: 'token_ids' fails its check ({e}); the store is damaged: rerun the job with --overwrite"
+            ) from None
+
     @cached_property
     def special(self) -> np.ndarray:
         """(N_tokens,) bool: the tokenizer's special tokens (BOS, CLS, SEP...), for readers to drop."""

@@ -1,0 +1,332 @@
+"""Export a packed token store to the activation cache SAELens trains from.
+
+    export_saelens("packed.zarr", "cache", "transformer.h.6", hook_name="blocks.6.hook_resid_post")
+
+(``python -m extract.export STORE --to saelens DIR --layer L``, in ``extract.cli.export``, is the
+command over it.) The cache is the Hugging Face ``datasets`` dataset that SAELens's
+``CacheActivationsRunner`` writes and its ``ActivationsStore`` loads when a config has
+``use_cached_activations=True`` and ``cached_activations_path=DIR`` (sae-lens 6.x):
+
+- a directory as ``Dataset.save_to_disk`` leaves it: ``data-00000-of-0000S.arrow`` shards, ``state.json``
+  (the shards, a fingerprint computed as ``CacheActivationsRunner._consolidate_shards`` computes it) and
+  ``dataset_info.json`` (the features);
+- one row per context, columns ``{hook_name: Array2D(shape=(context_size, d_in), dtype)}`` and
+  ``token_ids: Sequence(Value("int32"), length=context_size)``, the features
+  ``CacheActivationsRunner.__init__`` builds (``sae_lens/cache_activations_runner.py``);
+- ``ActivationsStore.load_cached_activation_dataset`` (``sae_lens/training/activations_store.py``)
+  checks only that the column ``hook_name`` exists and that its feature's ``shape`` is
+  ``(context_size, d_in)``; it converts to its own ``dtype`` on reading, so float16 stays float16 here.
+
+Beside them ``extract_export.json`` records where the rows came from (store, layer, packing) and the
+settings a SAELens config needs (``hook_name``, ``context_size``, ``d_in``, ``training_tokens``), with
+the store's ``scaling_factor`` (``Features.stats``); ``load_from_disk`` ignores it.
+
+Only a packed store (``--pack T``) holds SAELens's contexts: T tokens each, starting with BOS, the
+documents concatenated with a separator, so context i is rows ``i*T:(i+1)*T``. A ragged token store,
+a document or an image store is refused, and so is an unfinished store.
+
+The export streams: a block of whole contexts (about ``BLOCK_BYTES``) is read, written to the current
+shard and dropped, so memory holds one block whatever the layer's size. It is written into a hidden
+directory beside DIR that is renamed to DIR once complete, so an error or an interrupt leaves DIR as it
+was (absent, or the dataset ``overwrite`` would have replaced).
+
+It lives in ``analysis``: like every analysis it consumes a store through ``extract.read`` alone
+(``open_features``, ``Features.load``, ``load_token_ids``, ``stats``), and writes something that is not
+a store; ``read`` is the reader itself, and neither imports ``job`` or ``cli``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ExtractError
+from ..read.features import Features, open_features
+
+BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
+SHARD_BYTES = 500 * 10**6  # rows per arrow file: datasets' own default max_shard_size ("500MB")
+DTYPES = ("float16", "float32")  # what a float16 / float32 store exports to (arrow has no bfloat16)
+METADATA = "extract_export.json"
+
+
+class ExportError(ExtractError, ValueError):
+    """A store that cannot be exported as asked, or a destination that must not be written."""
+
+
+@dataclass(frozen=True)
+class SAELensCache:
+    """What ``export_saelens`` wrote: the dataset at ``path``, ``contexts`` rows of ``context_size``
+    tokens, column ``hook_name`` of (``context_size``, ``d_in``) ``dtype`` values, in ``shards`` files;
+    ``scaling_factor`` is the store's (None for a store written before statistics)."""
+
+    path: Path
+    hook_name: str
+    contexts: int
+    context_size: int
+    d_in: int
+    dtype: str
+    shards: int
+    scaling_factor: float | None
+
+    @property
+    def training_tokens(self) -> int:
+        return self.contexts * self.context_size
+
+    def line(self, layer: str) -> str:
+        factor = "" if self.scaling_factor is None else f"; scaling_factor {self.scaling_factor:.6g}"
+        shards = f"{self.shards} shard{'s' if self.shards != 1 else ''}"
+        return (
+            f"exported {self.contexts} contexts x {self.context_size} tokens of {layer} (d_in {self.d_in}, "
+            f"{self.dtype}) as column '{self.hook_name}' to {self.path} ({shards}){factor}"
+        )
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ExtractError(
+            "--to saelens writes a Hugging Face dataset and needs the 'datasets' package, which is not installed: "
+            "pip install 'extract[datasets]'"
+        ) from None
+    return datasets
+
+
+def saelens_features(hook_name: str, context_size: int, d_in: int, dtype: str) -> Any:
+    """The ``datasets.Features`` of a SAELens activation cache, as ``CacheActivationsRunner.__init__``
+    (sae_lens/cache_activations_runner.py) builds them for one hook."""
+    datasets = _datasets()
+    return datasets.Features(
+        {
+            hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype),
+            "token_ids": datasets.Sequence(datasets.Value(dtype="int32"), length=context_size),
+        }
+    )
+
+
+def _open(store: str | Path | Features) -> Features:
+    features = store if isinstance(store, Features) else open_features(store, allow_partial=True)
+    if not features.complete:
+        raise ExportError(
+            f"{features.path} is not complete (status '{features.attrs.get('status')}'): rerun the same extract "
+            "command to finish it, then export"
+        )
+    if features.kind != "tokens":
+        kind = "an image" if features.kind == "images" else "a document (pooled per document)"
+        raise ExportError(
+            f"{features.path} is {kind} store; SAELens trains on per-token activations: extract the text "
+            "model with --pack T (contexts of T tokens) and export that store"
+        )
+    if features.pack is None:
+        raise ExportError(
+            f"{features.path} holds ragged documents, not contexts of equal length: re-extract with --pack T "
+            "(e.g. --pack 128) for SAELens's contexts"
+        )
+    return features
+
+
+def _check_destination(out: Path, store: Path, overwrite: bool) -> None:
+    resolved, source = out.resolve(), store.resolve()
+    if resolved == source or source in resolved.parents or resolved in source.parents:
+        raise ExportError(f"{out} is the store {store}, inside it or holds it: export to another directory")
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise ExportError(f"{out} exists: pass --overwrite to replace it, or export to a new directory")
+    if out.is_symlink() or not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; --overwrite replaces only a dataset directory")
+    if any(out.iterdir()) and not (out / "state.json").is_file():
+        raise ExportError(
+            f"{out} exists and is not a dataset saved by datasets (no state.json); --overwrite replaces only "
+            "such a dataset: remove it yourself or export to a new directory"
+        )
+
+
+def export_saelens(
+    store: str | Path | Features,
+    out_dir: str | Path,
+    layer: str,
+    *,
+    hook_name: str | None = None,
+    dtype: str | None = None,
+    shard_contexts: int | None = None,
+    overwrite: bool = False,
+) -> SAELensCache:
+    """Write ``layer`` of the packed token store ``store`` to ``out_dir`` as SAELens's activation cache.
+
+    ``hook_name`` names the column (default: the layer's name; SAELens's config must give the same
+    ``hook_name``, e.g. ``blocks.6.hook_resid_post``). ``dtype`` is the column's (``float16`` or
+    ``float32``; default: the store's). ``shard_contexts`` rows per arrow file (default: about 500 MB
+    each). An existing ``out_dir`` is refused unless ``overwrite``, which replaces only a saved dataset
+    (or an empty directory), and only once the new one is complete.
+    """
+    datasets = _datasets()
+    features = _open(store)
+    array = features.array(layer)  # a LayerNotFoundError names the layers there are
+    if len(array.shape) != 2:
+        raise ExportError(
+            f"layer '{layer}' of {features.path} is stored as {list(array.shape[1:])} per token, not (D,)"
+        )
+    dtype = str(np.dtype(array.dtype)) if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype '{dtype}': the cache holds {' or '.join(DTYPES)}")
+    if shard_contexts is not None and shard_contexts < 1:
+        raise ExportError(f"shard_contexts must be at least 1, got {shard_contexts}")
+    hook_name = layer if hook_name is None else hook_name
+    if not hook_name or hook_name == "token_ids":
+        raise ExportError(f"hook name '{hook_name}' cannot name the activations' column (token_ids is taken)")
+    out = Path(out_dir)
+    _check_destination(out, features.path, overwrite)
+
+    context_size = int(features.pack["context_length"])
+    d_in = int(array.shape[1])
+    tokens = int(array.shape[0])
+    if tokens % context_size:
+        raise ExportError(f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it")
+    contexts = tokens // context_size
+    if contexts == 0:
+        raise ExportError(f"{features.path} holds no context of {context_size} tokens")
+    context_bytes = context_size * d_in * np.dtype(dtype).itemsize
+    per_shard = shard_contexts or max(1, SHARD_BYTES // context_bytes)
+    per_block = max(1, BLOCK_BYTES // context_bytes)
+    num_shards = -(-contexts // per_shard)
+    try:
+        scaling_factor: float | None = float(features.stats(layer)["scaling_factor"])
+    except ExtractError:  # written before stores kept statistics
+        scaling_factor = None
+
+    schema = saelens_features(hook_name, context_size, d_in, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        files = []
+        for shard in range(num_shards):
+            name = f"data-{shard:05d}-of-{num_shards:05d}.arrow"
+            _write_shard(
+                datasets,
+                staging / name,
+                schema,
+                features,
+                layer,
+                hook_name,
+                dtype,
+                range(shard * per_shard, min(contexts, (shard + 1) * per_shard)),
+                context_size,
+                per_block,
+            )
+            files.append({"filename": name})
+        _write_dataset_files(datasets, staging, schema, files, features, layer, hook_name)
+        metadata = {
+            "format": "saelens activation cache (CacheActivationsRunner layout)",
+            "store": str(features.path.resolve()),
+            "layer": layer,
+            "hook_name": hook_name,
+            "context_size": context_size,
+            "d_in": d_in,
+            "dtype": dtype,
+            "contexts": contexts,
+            "training_tokens": contexts * context_size,
+            "scaling_factor": scaling_factor,
+            "pack": features.pack,
+            "model": features.attrs.get("model"),
+        }
+        (staging / METADATA).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
+        _replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return SAELensCache(out, hook_name, contexts, context_size, d_in, dtype, num_shards, scaling_factor)
+
+
+def _write_shard(
+    datasets: Any,
+    path: Path,
+    schema: Any,
+    features: Features,
+    layer: str,
+    hook_name: str,
+    dtype: str,
+    contexts: range,
+    context_size: int,
+    per_block: int,
+) -> None:
+    """One arrow file of the contexts ``contexts``, written a block of ``per_block`` contexts at a time."""
+    from datasets.arrow_writer import ArrowWriter
+
+    writer = ArrowWriter(features=schema, path=str(path))
+    try:
+        for first in range(contexts.start, contexts.stop, per_block):
+            last = min(contexts.stop, first + per_block)
+            rows = slice(first * context_size, last * context_size)
+            values = np.asarray(features.load(layer, rows, dtype=dtype))
+            ids = features.load_token_ids(rows).astype(np.int32, copy=False)
+            writer.write_batch(
+                {
+                    hook_name: values.reshape(last - first, context_size, -1),
+                    "token_ids": ids.reshape(last - first, context_size),
+                }
+            )
+            del values, ids
+        writer.finalize()
+    finally:
+        writer.close()
+
+
+def _write_dataset_files(
+    datasets: Any, directory: Path, schema: Any, files: list[dict[str, str]], features: Features, layer: str, hook: str
+) -> None:
+    """``dataset_info.json`` and ``state.json`` as ``Dataset.save_to_disk`` writes them, with the
+    fingerprint ``CacheActivationsRunner._consolidate_shards`` gives its consolidated shards: that of the
+    dataset loaded back (which also checks that the shards load)."""
+    from datasets.fingerprint import generate_fingerprint
+
+    try:
+        from datasets.utils.py_utils import asdict
+    except ImportError:  # pragma: no cover - an older or newer layout of datasets
+        from dataclasses import asdict
+    info = datasets.DatasetInfo(
+        description=f"extract: layer '{layer}' of {features.path} as SAELens's activation cache (column '{hook}')",
+        features=schema,
+    )
+    info_dict = asdict(info)
+    (directory / "dataset_info.json").write_text(
+        json.dumps({key: info_dict[key] for key in sorted(info_dict)}, indent=2)
+    )
+    state: dict[str, Any] = {
+        "_data_files": files,
+        "_fingerprint": None,
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    (directory / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    loaded = datasets.Dataset.load_from_disk(str(directory))
+    state["_fingerprint"] = generate_fingerprint(loaded)
+    del loaded
+    (directory / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+def _replace(staging: Path, out: Path) -> None:
+    """Move the finished ``staging`` to ``out``; an existing ``out`` (checked replaceable) is moved aside
+    first and deleted only once the new one is in place."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    aside = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(out, aside)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(aside, out)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
