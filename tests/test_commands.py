@@ -59,7 +59,7 @@ def run(module, *args):
     except SystemExit as e:
         assert e.code in (0, None), (module, args, e.code)
 
-for module in ("extract.probe", "extract.compare", "extract.report"):
+for module in ("extract.probe", "extract.compare", "extract.report", "extract.export"):
     run(module, "--help")
 run("extract.probe", store, "--method", "knn")
 run("extract.probe", store, "--solver", "sgd", "--epochs", "1", "--lrs", "0.1")

@@ -112,6 +112,28 @@ def test_blocks_of_a_few_contexts_float16_and_the_default_hook_name(packed, tmp_
     np.testing.assert_array_equal(ds["token_ids"][:], f.token_ids.reshape(82, PACK))
 
 
+def test_memory_holds_a_block_not_the_layer(packed, tmp_path, monkeypatch):
+    """Traced Python allocations (numpy's included) of an export in blocks of 5 contexts stay well
+    below the layer's size (82 x 48 x 32 float32, 504 KB); a one-block export of it peaks above it."""
+    import tracemalloc
+
+    f = open_features(packed)
+    layer_bytes = 82 * PACK * 32 * 4
+
+    def peak(block_bytes: int, out: str) -> int:
+        monkeypatch.setattr(export_module, "BLOCK_BYTES", block_bytes)
+        tracemalloc.start()
+        try:
+            export_saelens(f, tmp_path / out, "transformer.h.0")
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    export_saelens(f, tmp_path / "warm", "transformer.h.0")  # imports and caches outside the trace
+    whole, blocks = peak(2**30, "whole"), peak(5 * PACK * 32 * 4, "blocks")
+    assert whole > layer_bytes > blocks, (whole, layer_bytes, blocks)
+
+
 def test_load_token_ids_reads_a_slice(packed):
     f = open_features(packed)
     np.testing.assert_array_equal(f.load_token_ids(slice(90, 250)), f.token_ids[90:250])
