@@ -227,10 +227,19 @@ def test_an_error_mid_export_leaves_the_old_dataset_and_no_debris(packed, tmp_pa
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def fail(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(export_module, "_write_dataset_files", fail)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ExportError, match=r"writing the dataset failed \(No space left on device\); nothing was"):
+        export_saelens(packed, out, "hidden_states.2", overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "_write_dataset_files", interrupted)
+    with pytest.raises(KeyboardInterrupt):
         export_saelens(packed, out, "hidden_states.2", overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]

@@ -40,14 +40,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
-from ..errors import ExtractError
+from ..errors import ExtractError, StoreDamagedError
 from ..read.features import Features, open_features
 
 BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
@@ -158,6 +160,7 @@ def export_saelens(
     dtype: str | None = None,
     shard_contexts: int | None = None,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> SAELensCache:
     """Write ``layer`` of the packed token store ``store`` to ``out_dir`` as SAELens's activation cache.
 
@@ -165,7 +168,8 @@ def export_saelens(
     ``hook_name``, e.g. ``blocks.6.hook_resid_post``). ``dtype`` is the column's (``float16`` or
     ``float32``; default: the store's). ``shard_contexts`` rows per arrow file (default: about 500 MB
     each). An existing ``out_dir`` is refused unless ``overwrite``, which replaces only a saved dataset
-    (or an empty directory), and only once the new one is complete.
+    (or an empty directory), and only once the new one is complete. ``progress`` shows a bar of the
+    contexts written on stderr (when it is a terminal).
     """
     datasets = _datasets()
     features = _open(store)
@@ -199,13 +203,19 @@ def export_saelens(
     num_shards = -(-contexts // per_shard)
     try:
         scaling_factor: float | None = float(features.stats(layer)["scaling_factor"])
+    except StoreDamagedError:
+        raise
     except ExtractError:  # written before stores kept statistics
         scaling_factor = None
 
     schema = saelens_features(hook_name, context_size, d_in, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as e:
+        raise ExportError(f"{out}: cannot write beside it in {out.parent} ({e.strerror})") from None
+    bar = tqdm(total=contexts, unit="ctx", desc="extract.export", disable=None if progress else True, file=sys.stderr)
     try:
         files = []
         for shard in range(num_shards):
@@ -221,6 +231,7 @@ def export_saelens(
                 range(shard * per_shard, min(contexts, (shard + 1) * per_shard)),
                 context_size,
                 per_block,
+                bar,
             )
             files.append({"filename": name})
         _write_dataset_files(datasets, staging, schema, files, features, layer, hook_name)
@@ -240,9 +251,13 @@ def export_saelens(
         }
         (staging / METADATA).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
         _replace(staging, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, ExtractError):
+            raise ExportError(f"{out}: writing the dataset failed ({e.strerror or e}); nothing was changed") from e
         raise
+    finally:
+        bar.close()
     return SAELensCache(out, hook_name, contexts, context_size, d_in, dtype, num_shards, scaling_factor)
 
 
@@ -257,6 +272,7 @@ def _write_shard(
     contexts: range,
     context_size: int,
     per_block: int,
+    bar: tqdm,
 ) -> None:
     """One arrow file of the contexts ``contexts``, written a block of ``per_block`` contexts at a time."""
     from datasets.arrow_writer import ArrowWriter
@@ -275,6 +291,7 @@ def _write_shard(
                 }
             )
             del values, ids
+            bar.update(last - first)
         writer.finalize()
     finally:
         writer.close()

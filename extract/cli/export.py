@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         shard_contexts=args.shard_contexts,
         overwrite=args.overwrite,
+        progress=True,
     )
     print(cache.line(args.layer))
     return 0
