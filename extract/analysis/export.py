@@ -221,7 +221,6 @@ def export_saelens(
         for shard in range(num_shards):
             name = f"data-{shard:05d}-of-{num_shards:05d}.arrow"
             _write_shard(
-                datasets,
                 staging / name,
                 schema,
                 features,
@@ -262,7 +261,6 @@ def export_saelens(
 
 
 def _write_shard(
-    datasets: Any,
     path: Path,
     schema: Any,
     features: Features,
