@@ -127,6 +127,26 @@ def test_document_store_leaves_out_the_empty_document(corpus, tmp_path):
         assert assert_stats_equal_numpy(out, layer)["count"] == 23
 
 
+def test_a_chunk_larger_than_the_store_holds_it_whole(corpus, tokens, tmp_path):
+    """Fewer documents (or tokens) than --chunk-size: one chunk, whose per-row arrays (labels, keys, token
+    ids) are chunked like the features, as opening checks; the rows equal the many-chunk store's."""
+    many = open_features(tokens)
+    token_rows = many.load(TEXT_LAYERS[0])
+    for pool, chunk in (("mean", 100), ("none", 100_000)):
+        out = tmp_path / f"{pool}.zarr"
+        assert extract_main(text_job(corpus, out, "--pool", pool, "--chunk-size", str(chunk))) == 0
+        f = open_features(out)
+        assert f.num_chunks == 1 and f.chunk_size == chunk
+        if pool == "none":
+            np.testing.assert_array_equal(f.token_ids, many.token_ids)
+            np.testing.assert_allclose(f.load(TEXT_LAYERS[0]), token_rows, rtol=2e-3, atol=2e-3)
+        else:  # each document's mean over its own stored token rows
+            edges = zip(many.offsets[:23], many.offsets[1:24], strict=True)  # the 24th is the empty document
+            means = np.stack([token_rows[a:b].mean(axis=0) for a, b in edges])
+            np.testing.assert_allclose(f.load(TEXT_LAYERS[0])[:23], means, rtol=1e-2, atol=1e-2)
+            assert f.keys.tolist() == many.keys.tolist()
+
+
 def test_pooled_image_store_stats_equal_numpy(images):
     f = open_features(images)
     assert f.shapes["layer4"] == (512,) and f.shapes["layer2"] == (128, 4, 4)

@@ -300,20 +300,21 @@ class _Skeleton:
         the rows are tokens: ``token_ids`` and ``special`` are chunked like the features, and the
         per-document arrays by ``TEXT_CHUNK``; in a document store the rows are documents."""
         tokens = self.kind == "tokens"
-        token_chunk = self.chunk_size if tokens else TEXT_CHUNK
-        document_chunk = TEXT_CHUNK if tokens else self.chunk_size
         zstd = checked(codecs("zstd"))
 
-        def whole(name: str, values: np.ndarray, chunk: int, dimension: str, **options: Any) -> None:
+        def whole(name: str, values: np.ndarray, dimension: str, rows: bool, **options: Any) -> None:
+            # A row array has the features' chunks however few its rows (opening checks it); another is
+            # cut to its length, since zarr stores an edge chunk padded to the whole chunk's shape.
+            chunk = self.chunk_size if rows else max(1, min(TEXT_CHUNK, len(values)))
             group.create_array(
-                name, shape=values.shape, chunks=(max(1, min(chunk, len(values))),), dtype=options.pop("dtype", values.dtype),
+                name, shape=values.shape, chunks=(chunk,), dtype=options.pop("dtype", values.dtype),
                 compressors=zstd, dimension_names=(dimension,), config={"write_empty_chunks": True}, **options,
             )[:] = values  # fmt: skip
 
-        whole("offsets", text.offsets.astype(np.int64), TEXT_CHUNK, "document_edge")
+        whole("offsets", text.offsets.astype(np.int64), "document_edge", rows=False)
         if text.num_tokens:
-            whole("token_ids", text.token_ids.astype(np.int32), token_chunk, "token")
-            whole("special", text.special.astype(bool), token_chunk, "token")
+            whole("token_ids", text.token_ids.astype(np.int32), "token", rows=tokens)
+            whole("special", text.special.astype(bool), "token", rows=tokens)
         else:  # zarr refuses chunks of zero rows
             for name, dtype in (("token_ids", "int32"), ("special", "bool")):
                 group.create_array(
@@ -321,13 +322,13 @@ class _Skeleton:
                 )
         if text.packed:
             assert text.doc is not None and text.doc_position is not None
-            whole("doc", text.doc.astype(np.int32), token_chunk, "token")
-            whole("doc_position", text.doc_position.astype(np.int32), token_chunk, "token")
-        whole("labels", text.labels.astype(np.int64), document_chunk, "document")
-        whole("valid", text.valid.astype(bool), document_chunk, "document")
+            whole("doc", text.doc.astype(np.int32), "token", rows=True)
+            whole("doc_position", text.doc_position.astype(np.int32), "token", rows=True)
+        whole("labels", text.labels.astype(np.int64), "document", rows=not tokens)
+        whole("valid", text.valid.astype(bool), "document", rows=not tokens)
         if self.keys is not None:  # packed: the source documents' keys, which ``doc`` indexes
             keys_dimension = "source_document" if text.packed else "document"
-            whole("keys", np.asarray(self.keys, dtype=STRINGS), document_chunk, keys_dimension, dtype=str)
+            whole("keys", np.asarray(self.keys, dtype=STRINGS), keys_dimension, rows=not tokens, dtype=str)
 
     def _indexes(self, group: zarr.Group) -> None:
         """Each saved index as a uint8 array: a member of the hierarchy, so zarr (and object storage)
