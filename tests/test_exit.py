@@ -17,6 +17,8 @@ SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--po
 # torch asks it to, and only its parent's SIGTERM can end it.
 FULL_DISK_WITH_STUCK_WORKERS = """
 import sys, threading, time
+import torch.utils.data._utils as loader_utils
+loader_utils.MP_STATUS_CHECK_INTERVAL = 0.5  # torch joins each worker this long before terminate(): 5 s a worker
 from extract.data.synthetic import SyntheticSource
 from extract.store.store import FeatureStore
 
