@@ -251,3 +251,49 @@ def test_zarr_reads_and_writes_through_the_url_without_allow_http(s3, monkeypatc
     assert "z.zarr/a/c/2" in s3.keys()
     again = zarr.open_group(open_store(s3.url("z.zarr"), read_only=True), mode="r")
     np.testing.assert_array_equal(again["a"][:], np.arange(6))
+
+
+def upload(local, s3, name):
+    """Copy a locally written store's files to ``s3://BUCKET/PREFIX/name``, one object each."""
+    from extract.store.location import object_store
+
+    target = object_store(s3.url(name))
+    for file in sorted(p for p in local.rglob("*") if p.is_file()):
+        obstore.put(target, file.relative_to(local).as_posix(), file.read_bytes())
+
+
+def test_open_features_reads_a_store_on_s3(s3, tmp_path):
+    from stores import add_keys, array_store
+
+    from extract.read.features import open_features
+    from extract.store.store import FeatureStore
+
+    rng = np.random.default_rng(0)
+    layers = {"a": rng.normal(size=(10, 3)).astype("float32"), "b.c": rng.normal(size=(10, 2, 2)).astype("float32")}
+    labels = rng.integers(0, 3, 10)
+    local = array_store(tmp_path / "local.zarr", layers, labels, chunk_size=4)
+    add_keys(local, [f"k{i}" for i in range(10)], classes=["x", "y", "z"])
+    upload(local, s3, "out.zarr")
+    here, there = open_features(local), open_features(s3.url("out.zarr"))
+    assert there.path == s3.url("out.zarr") and s3.url("out.zarr") in repr(there)
+    assert there.layers == here.layers and there.complete and there.classes == ["x", "y", "z"]
+    for layer in layers:
+        np.testing.assert_array_equal(there.load(layer), layers[layer])
+        np.testing.assert_array_equal(there.load(layer, index=np.array([7, 1, 4])), layers[layer][[7, 1, 4]])
+    np.testing.assert_array_equal(there.labels, labels)
+    np.testing.assert_array_equal(there.keys, here.keys)
+    with pytest.raises(ExtractError, match="read-only") as error:
+        FeatureStore.open(s3.url("out.zarr"))
+    assert "\n" not in str(error.value)
+
+
+def test_a_url_with_no_store_is_not_found(s3):
+    from extract.errors import StoreNotFoundError
+    from extract.read.features import open_features
+
+    with pytest.raises(StoreNotFoundError, match="is not an extract store"):
+        open_features(s3.url("absent.zarr"))
+    obstore.put(open_store(s3.url("other.zarr")).store, "zarr.json", b'{"zarr_format": 3, "node_type": "group"}')
+    with pytest.raises(ExtractError, match="is not an extract store") as error:
+        open_features(s3.url("other.zarr"))
+    assert not isinstance(error.value, StoreNotFoundError)
