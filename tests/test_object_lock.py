@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -152,18 +153,55 @@ def test_a_holder_taken_over_sees_lost_and_never_overwrites_the_new_holder(s3):
     url = s3.url("out.zarr")
     old = ObjectStoreLock(url).__enter__()
     new = ObjectStoreLock(url, stale_after=0.01)  # as if the old holder had been paused past the stale age
-    time.sleep(0.05)
-    with new:
-        assert old.lost.wait(5), "the old holder's heartbeat did not find its lock taken"
-        time.sleep(0.3)  # more beats of the new holder; none of the old one
-        assert record(s3)[0]["token"] == new.token and new.held() and not new.lost.is_set()
-        assert not old.held()
-        old.__exit__(None, None, None)  # its release deletes nothing of the new holder's
-        assert new.held()
-        error = lost_lock(url)
-        assert isinstance(error, LockLostError) and f"pid {os.getpid()}" in str(error)
+    with old._mutex:  # its heartbeat is held up here: paused
+        time.sleep(0.05)
+        new.__enter__()
+    assert old.lost.wait(5), "the old holder's heartbeat did not find its lock taken"
+    time.sleep(0.3)  # more beats of the new holder; none of the old one
+    assert record(s3)[0]["token"] == new.token and new.held() and not new.lost.is_set()
+    assert not old.held()
+    old.__exit__(None, None, None)  # its release deletes nothing of the new holder's
+    assert new.held()
+    error = lost_lock(url)
+    assert isinstance(error, LockLostError) and f"pid {os.getpid()}" in str(error)
+    new.__exit__(None, None, None)
     assert "out.zarr.lock" not in s3.keys()
     assert "was deleted" in str(lost_lock(url))
+
+
+HOLDER = """
+import sys
+from extract.store.object_lock import ObjectStoreLock
+with ObjectStoreLock(sys.argv[1]) as lock:
+    print("held", flush=True)
+    print("lost" if lock.lost.wait(20) else "kept", flush=True)
+"""
+
+
+def test_a_paused_holder_comes_back_without_its_lock(s3, monkeypatch):
+    """A real pause (SIGSTOP) past the stale age, as in test_reliability's paused holder on disk."""
+    from conftest import ROOT
+
+    monkeypatch.setenv("EXTRACT_LOCK_STALE_AFTER", "0.6")
+    url = s3.url("out.zarr")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, url], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(StoreBusyError, match=f"pid {child.pid}"):
+            ObjectStoreLock(url).__enter__()
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        with ObjectStoreLock(url) as lock:
+            os.kill(child.pid, signal.SIGCONT)
+            assert child.stdout.readline().strip() == "lost"
+            assert child.wait(10) == 0
+            assert record(s3)[0]["token"] == lock.token and lock.held() and not lock.lost.is_set()
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait()
 
 
 def test_release_deletes_only_our_own_lock(s3, monkeypatch):
@@ -171,6 +209,7 @@ def test_release_deletes_only_our_own_lock(s3, monkeypatch):
     monkeypatch.setenv("EXTRACT_LOCK_STALE_AFTER", "60")
     url = s3.url("out.zarr")
     old = ObjectStoreLock(url).__enter__()
+    time.sleep(0.05)  # older than the taker's stale age
     new = ObjectStoreLock(url, stale_after=0.01).__enter__()  # taken before the old one's next beat
     old.__exit__(None, None, None)  # it has not noticed; its release must still find out
     assert record(s3)[0]["token"] == new.token
