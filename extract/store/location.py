@@ -53,6 +53,14 @@ RETRY_TIMEOUT = 120.0  # seconds from a request's first try after which no more 
 RETRY_TIMEOUT_VARIABLE = "EXTRACT_OBJECT_RETRY_TIMEOUT"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_ENV_PREFIX = {"s3": "AWS", "gcs": "GOOGLE", "azure": "AZURE"}
+# obstore's ClientConfig keys that take a string (the environment's values are strings).
+_CLIENT_KEYS = (
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "http1_only",
+    "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle", "http2_only",
+    "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
+    "randomize_addresses", "read_timeout", "timeout", "user_agent",
+)  # fmt: skip
 
 
 class LocationError(ExtractError, ValueError):
@@ -155,6 +163,15 @@ def retry_config(timeout: float | None = None) -> dict[str, Any]:
     return {"max_retries": RETRIES, "backoff": backoff, "retry_timeout": timedelta(seconds=seconds)}
 
 
+def _env_client_options(cloud: str) -> dict[str, Any]:
+    """The HTTP client options set in the environment (``AWS_ALLOW_HTTP``, ``AWS_TIMEOUT``, ...). obstore
+    reads them itself, but only while no ``client_options`` are passed: passed ones replace them all."""
+    prefix = _ENV_PREFIX[cloud]
+    return {
+        key: os.environ[f"{prefix}_{key.upper()}"] for key in _CLIENT_KEYS if f"{prefix}_{key.upper()}" in os.environ
+    }
+
+
 def _s3_options() -> tuple[dict[str, Any], dict[str, Any]]:
     """Config and client options for S3 beyond what obstore reads from the environment itself."""
     config: dict[str, Any] = {}
@@ -167,19 +184,22 @@ def _s3_options() -> tuple[dict[str, Any], dict[str, Any]]:
     return config, client
 
 
-def object_store(url: str, *, retry_timeout: float | None = None) -> Any:
+def object_store(url: str, *, retry_timeout: float | None = None, request_timeout: float | None = None) -> Any:
     """An ``obstore`` store rooted at ``url`` (its key is the store's prefix), configured from the
-    environment, retrying transient errors (``retry_config``)."""
+    environment, retrying transient errors (``retry_config``); ``request_timeout`` caps each try
+    (obstore's default otherwise)."""
     try:
         from obstore.store import from_url
     except ImportError:
         raise ObjectStorageMissing(f"{url} is on object storage, which needs obstore: {INSTALL}") from None
     location = parse(url)
     assert location.scheme is not None
-    config: dict[str, Any] = {}
-    client: dict[str, Any] = {}
-    if SCHEMES[location.scheme] == "s3":
-        config, client = _s3_options()
+    cloud = SCHEMES[location.scheme]
+    config, client = _s3_options() if cloud == "s3" else ({}, {})
+    if request_timeout is not None:
+        client["timeout"] = timedelta(seconds=request_timeout)
+    if client:
+        client = {**_env_client_options(cloud), **client}
     try:
         return from_url(
             url, config=config or None, client_options=client or None, retry_config=retry_config(retry_timeout)
@@ -203,11 +223,12 @@ def open_store(text: str | os.PathLike[str] | Location, *, read_only: bool = Fal
     return ObjectStore(inner, read_only=read_only)
 
 
-def lock_object(location: Location, *, retry_timeout: float | None = None) -> tuple[Any, str]:
+def lock_object(location: Location, *, timeout: float | None = None) -> tuple[Any, str]:
     """The obstore store of the prefix a remote store lives in, and the key of its lock there
-    (``name.zarr.lock``)."""
+    (``name.zarr.lock``); ``timeout`` caps each request's tries and its retries, each."""
     assert location.url is not None, "a local store's lock is a file (lock.py)"
-    return object_store(location.parent_url, retry_timeout=retry_timeout), location.name + ".lock"
+    store = object_store(location.parent_url, retry_timeout=timeout, request_timeout=timeout)
+    return store, location.name + ".lock"
 
 
 def one_line(error: BaseException) -> str:

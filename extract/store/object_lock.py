@@ -49,6 +49,8 @@ from ..errors import ExtractError, LockLostError, StoreBusyError
 from .location import Location, lock_object, one_line, parse
 from .lock import LockUnavailable, _stale, timings
 
+Version = dict[str, str]  # obstore's UpdateVersion: the ``e_tag`` (S3, Azure) and ``version`` (GCS's generation)
+
 
 def _location(store: str | Location) -> Location:
     location = store if isinstance(store, Location) else parse(store)
@@ -68,8 +70,16 @@ class _Conflict(Exception):
     """A conditional write's precondition failed (or the server reported a conflicting write)."""
 
 
-def _read(store: Any, key: str) -> tuple[dict[str, Any], str | None] | None:
-    """The lock's record with its heartbeat's ``age``, and its ETag; None when there is no lock."""
+def _version(found: dict[str, Any]) -> Version:
+    """The version a put result or an object's metadata names, for a conditional replace of it."""
+    version = {k: found[k] for k in ("e_tag", "version") if found.get(k)}
+    if not version:  # S3, GCS and Azure all give one; without it there is no conditional replace
+        raise ExtractError("the object store gives no ETag or version for the lock, so it cannot hold one")
+    return version
+
+
+def _read(store: Any, key: str) -> tuple[dict[str, Any], Version] | None:
+    """The lock's record with its heartbeat's ``age``, and its version; None when there is no lock."""
     obstore, _ = _obstore()
     try:
         result = obstore.get(store, key)
@@ -88,25 +98,27 @@ def _read(store: Any, key: str) -> tuple[dict[str, Any], str | None] | None:
         age = time.time() - float(beat)
     else:  # not a record of ours: judge it by the server's clock
         age = time.time() - meta["last_modified"].timestamp()
-    return {**record, "age": age}, meta.get("e_tag")
+    return {**record, "age": age}, _version(meta)
 
 
-def _put(store: Any, key: str, record: dict[str, Any], mode: Any) -> str:
-    """Write ``record`` under ``mode`` (``"create"`` or ``{"e_tag": ...}``); its new ETag. Raises
-    ``_Conflict`` when the precondition failed."""
+def _put(store: Any, key: str, record: dict[str, Any], mode: str | Version) -> Version:
+    """Write ``record`` under ``mode`` (``"create"``, or the version to replace); the version written.
+    Raises ``_Conflict`` when the precondition failed."""
     obstore, errors = _obstore()
     data = json.dumps(record).encode()
     try:
-        etag = obstore.put(store, key, data, mode=mode, use_multipart=False)["e_tag"]
+        result = obstore.put(store, key, data, mode=mode, use_multipart=False)
     except (errors.AlreadyExistsError, errors.PreconditionError):
         raise _Conflict from None
     except errors.BaseError as e:
-        if "409" in str(e).split("\n", 1)[0]:  # S3's ConditionalRequestConflict: a concurrent conditional write
+        if "409" in one_line(e):  # S3's ConditionalRequestConflict: a concurrent conditional write
             raise _Conflict from None
         raise
-    if etag is None:  # S3, GCS and Azure all give one; without it there is no conditional replace
-        raise ExtractError(f"the object store gave no ETag for the lock {key}; it cannot hold extract's lock")
-    return etag
+    return _version(result)
+
+
+def _failed(what: str, error: BaseException) -> ExtractError:
+    return ExtractError(f"{what} ({one_line(error)})")
 
 
 def _busy(location: Location, holder: dict[str, Any]) -> StoreBusyError:
@@ -148,7 +160,11 @@ def lost_lock(store: str | Location) -> LockLostError:
 def check_unlocked(store: str | Location, stale_after: float | None = None) -> None:
     """Refuse a store that a live job holds (for callers that only look, such as ``verify --repair``)."""
     location = _location(store)
-    found = _read(*lock_object(location))
+    _, errors = _obstore()
+    try:
+        found = _read(*lock_object(location))
+    except errors.BaseError as e:
+        raise _failed(f"{location}: cannot read its lock {location.lock}", e) from None
     if found is not None and not _stale(found[0], timings()[1] if stale_after is None else stale_after):
         raise _busy(location, found[0])
 
@@ -163,16 +179,16 @@ class ObjectStoreLock:
         self.path = self.location.lock  # the lock's URL (``StoreLock.path`` is the lock file)
         self.heartbeat, default_stale = timings()
         self.stale_after = default_stale if stale_after is None else stale_after
-        # Retries end well before the lock could go stale, so that no request of ours lands after
-        # another job may have taken the lock over (the release's delete relies on it).
-        self._objects, self._key = lock_object(self.location, retry_timeout=max(1.0, self.stale_after / 3))
+        # Each request, retries included, ends well before the lock could go stale, so that none of
+        # ours lands after another job may have taken the lock over (the release's delete relies on it).
+        self._objects, self._key = lock_object(self.location, timeout=max(5.0, self.stale_after / 3))
         self.token = uuid.uuid4().hex  # also the store's ``writer`` while this lock holds it
         self.record = {
             "host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "token": self.token,
         }  # fmt: skip
         self.lost = threading.Event()  # set by the heartbeat once the lock is not ours any more
-        self._etag: str | None = None  # the ETag of the record we last wrote
+        self._version: Version | None = None  # the version of the record we last wrote
         self._mutex = threading.Lock()  # one request of ours on the lock at a time (heartbeat, release)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="extract-object-lock", daemon=True)
@@ -182,10 +198,10 @@ class ObjectStoreLock:
 
     def _ours(self) -> bool:
         """After a failed precondition: whether the record is ours all the same (our own request landed
-        on an earlier try); adopts its ETag if so."""
+        on an earlier try); adopts its version if so."""
         found = _read(self._objects, self._key)
         if found is not None and found[0].get("token") == self.token:
-            self._etag = found[1]
+            self._version = found[1]
             return True
         return False
 
@@ -199,30 +215,28 @@ class ObjectStoreLock:
         except (errors.PermissionDeniedError, errors.UnauthenticatedError) as e:
             raise LockUnavailable(f"--out {self.store}: cannot create the lock {self.path} ({one_line(e)})") from None
         except errors.BaseError as e:
-            raise ExtractError(f"--out {self.store}: cannot create the lock {self.path} ({one_line(e)})") from None
+            raise _failed(f"--out {self.store}: cannot create the lock {self.path}", e) from None
         raise StoreBusyError(f"--out {self.store}: could not take the lock {self.path} from a stale holder; rerun")
 
     def _claim(self) -> bool:
         """One try: create the lock, or take over a stale one. False to try again (the lock changed
         under us: released, or taken by another taker whose record we have not read yet)."""
         try:
-            self._etag = _put(self._objects, self._key, self._fresh(), "create")
+            self._version = _put(self._objects, self._key, self._fresh(), "create")
             return True
         except _Conflict:
             pass
         found = _read(self._objects, self._key)
         if found is None:
             return False  # released meanwhile: try again
-        holder, etag = found
+        holder, version = found
         if holder.get("token") == self.token:  # our create landed on a try whose answer was lost
-            self._etag = etag
+            self._version = version
             return True
         if not _stale(holder, self.stale_after):
             raise _busy(self.location, holder)
-        if etag is None:
-            raise ExtractError(f"--out {self.store}: the object store gave no ETag for {self.path}; no lock")
         try:
-            self._etag = _put(self._objects, self._key, self._fresh(), {"e_tag": etag})
+            self._version = _put(self._objects, self._key, self._fresh(), version)
             return True
         except _Conflict:  # another taker won (or the holder came back): the next try reads whose it is
             return self._ours()
@@ -232,14 +246,20 @@ class ObjectStoreLock:
         partial record of its own beside the lock (``StoreLock.sweep`` deletes those on disk)."""
 
     def held(self) -> bool:
-        """Whether the lock object is still ours, read afresh: not taken over, not deleted by hand."""
-        found = _read(self._objects, self._key)
+        """Whether the lock object is still ours, read afresh: not taken over, not deleted by hand. An
+        error past the retries is raised (``ExtractError``), not taken for a lost lock."""
+        _, errors = _obstore()
+        try:
+            found = _read(self._objects, self._key)
+        except errors.BaseError as e:
+            raise _failed(f"--out {self.store}: cannot read the lock {self.path}", e) from None
         return found is not None and found[0].get("token") == self.token
 
     def _refresh(self) -> bool:
         """One conditional replace of the record we last wrote; False once the lock is not ours."""
+        assert self._version is not None
         try:
-            self._etag = _put(self._objects, self._key, self._fresh(), {"e_tag": self._etag})
+            self._version = _put(self._objects, self._key, self._fresh(), self._version)
             return True
         except _Conflict:
             return self._ours()
@@ -258,14 +278,13 @@ class ObjectStoreLock:
                     continue  # an outage past the retries: the next beat tries again
 
     def __exit__(self, *_: object) -> None:
-        _, errors = _obstore()
+        obstore, errors = _obstore()
         self._stop.set()
         with self._mutex:
-            if self.lost.is_set() or self._etag is None:
+            if self.lost.is_set() or self._version is None:
                 return
             try:
                 if self._refresh():  # still ours, and not stale for STALE_AFTER from now
-                    obstore, _ = _obstore()
                     obstore.delete(self._objects, self._key)
             except (errors.BaseError, OSError):
                 pass  # unreachable: the lock goes stale and the next job takes it over
