@@ -321,6 +321,12 @@ def test_open_features_reads_a_store_on_s3(s3, tmp_path):
         np.testing.assert_array_equal(there.load(layer, index=np.array([7, 1, 4])), layers[layer][[7, 1, 4]])
     np.testing.assert_array_equal(there.labels, labels)
     np.testing.assert_array_equal(there.keys, here.keys)
+    from extract.read.dataset import FeatureDataset
+
+    dataset = FeatureDataset(s3.url("out.zarr"), "a")
+    value, label = dataset[5]
+    np.testing.assert_array_equal(value.numpy(), layers["a"][5])
+    assert label == labels[5] and dataset.path == s3.url("out.zarr")
     with pytest.raises(ExtractError, match="read-only") as error:
         FeatureStore.open(s3.url("out.zarr"))
     assert "\n" not in str(error.value)
@@ -336,3 +342,15 @@ def test_a_url_with_no_store_is_not_found(s3):
     with pytest.raises(ExtractError, match="is not an extract store") as error:
         open_features(s3.url("other.zarr"))
     assert not isinstance(error.value, StoreNotFoundError)
+
+
+def test_retry_settings(monkeypatch):
+    from extract.store.location import RETRY_TIMEOUT_VARIABLE, retry_config
+
+    monkeypatch.setenv(RETRY_TIMEOUT_VARIABLE, "7")
+    config = retry_config()
+    assert config["retry_timeout"].total_seconds() == 7 and config["max_retries"] >= 1
+    assert config["backoff"]["max_backoff"].total_seconds() <= 15
+    monkeypatch.setenv(RETRY_TIMEOUT_VARIABLE, "soon")
+    with pytest.raises(ExtractError, match="EXTRACT_OBJECT_RETRY_TIMEOUT='soon' is not a positive number"):
+        retry_config()
