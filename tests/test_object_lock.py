@@ -270,6 +270,17 @@ def test_bad_store_urls_are_one_line(text, message):
     assert "\n" not in str(error.value) and isinstance(error.value, ExtractError)
 
 
+def test_gcs_and_azure_stores_are_made_from_the_url(monkeypatch):
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT_NAME", raising=False)
+    assert isinstance(open_store("gs://bucket/x.zarr"), ObjectStore)
+    assert isinstance(open_store("abfs://c@acct.dfs.core.windows.net/x/b.zarr"), ObjectStore)
+    with pytest.raises(LocationError, match="set AZURE_STORAGE_ACCOUNT_NAME") as error:
+        open_store("az://container/x.zarr")
+    assert "\n" not in str(error.value)
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    assert isinstance(open_store("az://container/x.zarr"), ObjectStore)
+
+
 def test_missing_obstore_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "obstore", None)
     monkeypatch.setitem(sys.modules, "obstore.store", None)

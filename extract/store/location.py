@@ -205,7 +205,10 @@ def object_store(url: str, *, retry_timeout: float | None = None, request_timeou
             url, config=config or None, client_options=client or None, retry_config=retry_config(retry_timeout)
         )
     except Exception as e:  # obstore's configuration errors: an unknown key, a malformed URL
-        raise LocationError(f"store {url}: {one_line(e)}") from None
+        hint = ""
+        if cloud == "azure" and "Account must be specified" in str(e):
+            hint = "; set AZURE_STORAGE_ACCOUNT_NAME, or write abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/..."
+        raise LocationError(f"store {url}: {one_line(e)}{hint}") from None
 
 
 def open_store(text: str | os.PathLike[str] | Location, *, read_only: bool = False) -> Store:
