@@ -26,7 +26,8 @@ record holding our ``token`` is ours (no other job writes our token).
 delete is unconditional (S3's ``DeleteObject`` takes no ``If-Match`` in the API obstore speaks), so the
 refresh is what makes the delete safe: it proves the lock was still ours and restarts its age, and no
 job can take a lock over until its age reaches ``STALE_AFTER``; so the delete, sent milliseconds later,
-deletes our own record unless it is delayed by that long (its retries are capped well below it). The
+deletes our own record unless it is delayed by that long (each lock request's tries and retries are
+capped at a third of ``STALE_AFTER``, 5 s at least). The
 alternative, a conditional write of a "released" record, is atomic but leaves an object behind, and
 deleting that afterwards opens a wider window: a released record may be taken at once, a stale one
 only after ``STALE_AFTER``.
