@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from s3 import s3, s3_server  # noqa: F401  (fixtures: moto's S3 server on loopback, a prefix per test)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = Path(__file__).resolve().parent / "tiny_models.py"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from ..store.location import is_url
 from .features import Features, open_features
 
 Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
@@ -40,7 +41,8 @@ class FeatureDataset(Dataset):
         allow_partial: bool = False,
         cache_chunks: int = 1,
     ) -> None:
-        self.path, self.dtype, self.allow_partial = Path(path), dtype, allow_partial
+        self.path = path if is_url(path) else Path(path)  # a URL on object storage stays one (s3://...)
+        self.dtype, self.allow_partial = dtype, allow_partial
         self.cache_chunks = max(1, cache_chunks)
         self.single = isinstance(layers, str)
         self.layers = [layers] if isinstance(layers, str) else list(layers)

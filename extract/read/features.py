@@ -20,6 +20,7 @@ from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
 from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
 from ..store.chunks import Plan
+from ..store.location import is_url
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore, decodes
@@ -161,7 +162,7 @@ class Features:
     them whose image could be read.
     """
 
-    path: Path
+    path: Path | str  # a URL for a store on object storage
     store: FeatureStore = field(repr=False)
 
     @property
@@ -566,7 +567,7 @@ def open_features(path: str | Path, *, allow_partial: bool = False) -> Features:
     unless ``allow_partial=True``; then ``features.present`` tells which samples were written, and
     the others read as NaN (labels -1).
     """
-    path = Path(path)
+    path = path if is_url(path) else Path(path)  # a URL on object storage stays one (s3://...)
     store = FeatureStore.open(path, mode="r")
     features = Features(path, store)
     if not features.complete and not allow_partial:

@@ -28,6 +28,7 @@ from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
 from . import objects, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, writer_of
+from .location import is_url, open_store
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
 from .stats import STATS
 
@@ -117,16 +118,34 @@ def _store_attrs(path: Path, damaged: bool = False) -> dict[str, Any] | None:
     if not meta.is_file():
         return None
     try:
-        attrs = json.loads(meta.read_text()).get("attributes", {})
+        data = meta.read_bytes()
+    except OSError:
+        data = b""  # unreadable: as damaged as undecodable
+    return _decoded_attrs(data, str(meta), damaged)
+
+
+def _decoded_attrs(data: bytes, where: str, damaged: bool) -> dict[str, Any] | None:
+    """The attributes in root metadata ``data`` if they are an extract store's (see ``_store_attrs``)."""
+    try:
+        attrs = json.loads(data).get("attributes", {})
         if not isinstance(attrs, dict):
             raise ValueError("attributes are not a mapping")
-    except (OSError, ValueError, AttributeError):
+    except (ValueError, AttributeError):
         if damaged:
             raise StoreDamagedError(
-                f"{meta} does not decode as zarr metadata; rerun the job with --overwrite"
+                f"{where} does not decode as zarr metadata; rerun the job with --overwrite"
             ) from None
         return None
     return attrs if attrs.get("format") == FORMAT else None
+
+
+def _check_version(path: Path | str, attrs: dict[str, Any]) -> None:
+    version = attrs.get("format_version")
+    if version not in KNOWN_FORMAT_VERSIONS:
+        raise StoreDamagedError(
+            f"{path} has format_version {version!r}; this extract knows {', '.join(map(str, KNOWN_FORMAT_VERSIONS))} "
+            "(a newer extract wrote it, or its zarr.json was edited)"
+        )
 
 
 def damaged_root(path: Path) -> str | None:
@@ -343,7 +362,7 @@ class _Skeleton:
 class FeatureStore:
     """``features/<layer>``, ``labels`` and ``done`` in one zarr group, plus the job's attributes."""
 
-    def __init__(self, group: zarr.Group, path: Path, writer: str | None = None) -> None:
+    def __init__(self, group: zarr.Group, path: Path | str, writer: str | None = None) -> None:
         self.group = group
         self.path = path
         self.writer = writer  # the job's token: every write is refused once the store's ``writer`` is not it
@@ -406,24 +425,41 @@ class FeatureStore:
         return cls.open(path)
 
     @classmethod
-    def open(cls, path: Path, mode: str = "r+", writer: str | None = None) -> FeatureStore:
+    def open(cls, path: Path | str, mode: str = "r+", writer: str | None = None) -> FeatureStore:
         """Open and validate: a known format version, every array there, shapes that agree with
         ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed.
         ``writer``: the job's lock token, which the store's ``writer`` must be for any write to happen
-        (``fence.py``); set it with ``claim`` first."""
+        (``fence.py``); set it with ``claim`` first. ``path`` may be a URL on object storage
+        (``s3://...``; read-only for now)."""
+        if is_url(path):
+            return cls._open_remote(str(path), mode, writer)
+        path = Path(path)
         attrs = _store_attrs(path, damaged=True)
         if attrs is None:
             raise (ExtractError if path.exists() else StoreNotFoundError)(f"{path} is not an extract store")
-        version = attrs.get("format_version")
-        if version not in KNOWN_FORMAT_VERSIONS:
-            raise StoreDamagedError(
-                f"{path} has format_version {version!r}; this extract knows {', '.join(map(str, KNOWN_FORMAT_VERSIONS))} "
-                "(a newer extract wrote it, or its zarr.json was edited)"
-            )
+        _check_version(path, attrs)
         location: Any = path
         if writer is not None:
             location = FencedStore(zarr.storage.LocalStore(path, read_only=mode == "r"), token=writer, path=path)
-        store = cls(zarr.open_group(location, mode=mode), path, writer)
+        return cls._opened(zarr.open_group(location, mode=mode), path, writer, attrs)
+
+    @classmethod
+    def _open_remote(cls, url: str, mode: str, writer: str | None) -> FeatureStore:
+        """A store on object storage, opened through zarr's ``ObjectStore`` (``location.py``)."""
+        if mode != "r" or writer is not None:
+            raise ExtractError(f"{url}: stores on object storage are opened read-only (mode 'r') by this version")
+        remote = open_store(url, read_only=True)
+        data = objects.read(remote, METADATA)
+        attrs = None if data is None else _decoded_attrs(data, f"{url}/{METADATA}", damaged=True)
+        if attrs is None:
+            there = data is not None or bool(objects.children(remote, ""))
+            raise (ExtractError if there else StoreNotFoundError)(f"{url} is not an extract store")
+        _check_version(url, attrs)
+        return cls._opened(zarr.open_group(remote, mode="r"), url, None, attrs)
+
+    @classmethod
+    def _opened(cls, group: zarr.Group, path: Path | str, writer: str | None, attrs: dict[str, Any]) -> FeatureStore:
+        store = cls(group, path, writer)
         store._validate(attrs)
         return store
 

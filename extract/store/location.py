@@ -1,0 +1,240 @@
+"""Where a store lives: a local path, or a URL on object storage (``s3://``, ``gs://``, ``az://``).
+
+``--out`` and every command that takes a store take either. A URL names a bucket (a container on
+Azure) and a key prefix ending in the store's name, ``s3://bucket/some/prefix/name.zarr``; the store's
+lock is the object ``name.zarr.lock`` beside it (same bucket, the store's key plus ``.lock``), as on
+disk, so that it exists before the store does.
+
+Object storage goes through zarr's own ``zarr.storage.ObjectStore`` over ``obstore`` (the ``s3``
+extra), not ``FsspecStore`` over ``s3fs``:
+
+- obstore exposes conditional writes natively: ``put(..., mode="create")`` is ``If-None-Match: *`` and
+  ``mode={"e_tag": ...}`` is ``If-Match``, with typed errors (``AlreadyExistsError``,
+  ``PreconditionError``) for a failed precondition. The lock (``object_lock.py``) is made of exactly
+  these; s3fs has no conditional replace (``If-Match``) in its API, and its create-if-absent is an
+  S3-only extra argument.
+- one Rust client (the ``object_store`` crate) for S3, GCS and Azure, with the same conditional
+  semantics, credentials from each cloud's usual environment, and retries with backoff built in;
+  s3fs, gcsfs and adlfs are three libraries with three behaviours.
+- zarr's ``ObjectStore`` wraps obstore directly, and concurrent reads and writes are async in Rust,
+  not in fsspec's event-loop thread.
+
+Credentials, region and endpoint come from the environment obstore reads (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...;
+``GOOGLE_*``; ``AZURE_*``). Two additions: ``AWS_DEFAULT_REGION`` is used where ``AWS_REGION`` is not
+set, and an ``http://`` S3 endpoint (a local S3-compatible server such as moto or MinIO) is allowed
+without also setting ``AWS_ALLOW_HTTP``: naming a plain-HTTP endpoint is the user's choice of it.
+
+Transient errors (5xx, connection errors and resets, timeouts) are retried by obstore with
+exponential backoff and jitter, ``RETRIES`` times at most and for ``EXTRACT_OBJECT_RETRY_TIMEOUT``
+seconds at most (``RETRY_TIMEOUT`` by default); after that the request's error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from ..errors import ExtractError
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store
+
+INSTALL = "pip install 'extract[s3]'"
+# The schemes a store URL may have, and the cloud each is (obstore's own names for the Azure ones).
+SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "az": "azure", "azure": "azure", "abfs": "azure", "abfss": "azure"}
+RETRIES = 10
+RETRY_TIMEOUT = 120.0  # seconds from a request's first try after which no more retries are made
+RETRY_TIMEOUT_VARIABLE = "EXTRACT_OBJECT_RETRY_TIMEOUT"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+_ENV_PREFIX = {"s3": "AWS", "gcs": "GOOGLE", "azure": "AZURE"}
+# obstore's ClientConfig keys that take a string (the environment's values are strings).
+_CLIENT_KEYS = (
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "http1_only",
+    "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle", "http2_only",
+    "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
+    "randomize_addresses", "read_timeout", "timeout", "user_agent",
+)  # fmt: skip
+
+
+class LocationError(ExtractError, ValueError):
+    """A store argument that is neither a local path nor a store URL this version can open."""
+
+
+class ObjectStorageMissing(ExtractError, ImportError):
+    """A store URL was given but the ``s3`` extra (obstore) is not installed."""
+
+
+def is_url(text: str | os.PathLike[str]) -> bool:
+    """Whether ``text`` is a URL (``scheme://...``) rather than a local path. A Windows drive path
+    (``C:\\x``) and a relative path with a colon in it are paths."""
+    return isinstance(text, str) and _URL.match(text) is not None
+
+
+@dataclass(frozen=True)
+class Location:
+    """A parsed store argument: ``path`` for a local store, or ``url`` (normalized: no trailing slash)
+    with its ``scheme``, ``bucket`` and ``key`` (the store's prefix inside the bucket)."""
+
+    path: Path | None = None
+    url: str | None = None
+    scheme: str | None = None  # as given: s3, gs, az, ...
+    bucket: str | None = None  # the container on Azure; with ``abfs://`` the URL's authority
+    key: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.url is not None
+
+    @property
+    def name(self) -> str:
+        """The store's own name, the last part of its path or key (``name.zarr``)."""
+        if self.path is not None:
+            return self.path.name
+        assert self.key is not None
+        return self.key.rpartition("/")[2]
+
+    @property
+    def parent_url(self) -> str:
+        """The URL of the prefix the store lives in (where its lock lives too)."""
+        assert self.url is not None
+        return self.url.rpartition("/")[0]
+
+    @property
+    def lock(self) -> str:
+        """Where the store's lock is: ``<path>.lock`` or ``<url>.lock`` beside the store."""
+        return f"{self.url}.lock" if self.url is not None else str(self.path) + ".lock"
+
+    def __str__(self) -> str:
+        return self.url if self.url is not None else str(self.path)
+
+
+def parse(text: str | os.PathLike[str]) -> Location:
+    """The location ``text`` names: a local path, or a store URL checked here so that a typo is one
+    line now rather than a request error later."""
+    if not is_url(text):
+        return Location(path=Path(text))
+    assert isinstance(text, str)
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        known = ", ".join(f"{s}://" for s in ("s3", "gs", "az", "abfs"))
+        raise LocationError(f"store {text!r}: unsupported scheme {scheme}://; use a local path or one of {known}")
+    if parts.query or parts.fragment:
+        raise LocationError(f"store {text!r}: a store URL takes no ?query or #fragment")
+    if not parts.netloc:
+        raise LocationError(f"store {text!r} names no bucket; write {scheme}://BUCKET/PREFIX/NAME.zarr")
+    key = parts.path.strip("/")
+    if not key:
+        raise LocationError(
+            f"store {text!r} is a whole bucket; name the store inside it: {scheme}://{parts.netloc}/NAME.zarr"
+        )
+    segments = key.split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        raise LocationError(f"store {text!r}: its key {key!r} has an empty, '.' or '..' part")
+    return Location(url=f"{scheme}://{parts.netloc}/{key}", scheme=scheme, bucket=parts.netloc, key=key)
+
+
+def _retry_timeout() -> float:
+    text = os.environ.get(RETRY_TIMEOUT_VARIABLE)
+    if text is None:
+        return RETRY_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise ExtractError(f"{RETRY_TIMEOUT_VARIABLE}={text!r} is not a positive number of seconds; fix or unset it")
+    return value
+
+
+def retry_config(timeout: float | None = None) -> dict[str, Any]:
+    """obstore's retry configuration: exponential backoff with jitter from 100 ms, each wait capped at
+    5 s (an outage longer than a request is worth waiting through is the caller's to report), ``RETRIES``
+    tries and ``timeout`` seconds (``EXTRACT_OBJECT_RETRY_TIMEOUT``, ``RETRY_TIMEOUT``) at most."""
+    seconds = _retry_timeout() if timeout is None else timeout
+    backoff = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2}
+    return {"max_retries": RETRIES, "backoff": backoff, "retry_timeout": timedelta(seconds=seconds)}
+
+
+def _env_client_options(cloud: str) -> dict[str, Any]:
+    """The HTTP client options set in the environment (``AWS_ALLOW_HTTP``, ``AWS_TIMEOUT``, ...). obstore
+    reads them itself, but only while no ``client_options`` are passed: passed ones replace them all."""
+    prefix = _ENV_PREFIX[cloud]
+    return {
+        key: os.environ[f"{prefix}_{key.upper()}"] for key in _CLIENT_KEYS if f"{prefix}_{key.upper()}" in os.environ
+    }
+
+
+def _s3_options() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Config and client options for S3 beyond what obstore reads from the environment itself."""
+    config: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    if not os.environ.get("AWS_REGION") and os.environ.get("AWS_DEFAULT_REGION"):
+        config["region"] = os.environ["AWS_DEFAULT_REGION"]
+    endpoint = next((os.environ[v] for v in _ENDPOINT_VARIABLES if os.environ.get(v)), None)
+    if endpoint is not None and endpoint.lower().startswith("http://") and "AWS_ALLOW_HTTP" not in os.environ:
+        client["allow_http"] = True
+    return config, client
+
+
+def object_store(url: str, *, retry_timeout: float | None = None, request_timeout: float | None = None) -> Any:
+    """An ``obstore`` store rooted at ``url`` (its key is the store's prefix), configured from the
+    environment, retrying transient errors (``retry_config``); ``request_timeout`` caps each try
+    (obstore's default otherwise)."""
+    try:
+        from obstore.store import from_url
+    except ImportError:
+        raise ObjectStorageMissing(f"{url} is on object storage, which needs obstore: {INSTALL}") from None
+    location = parse(url)
+    assert location.scheme is not None
+    cloud = SCHEMES[location.scheme]
+    config, client = _s3_options() if cloud == "s3" else ({}, {})
+    if request_timeout is not None:
+        client["timeout"] = timedelta(seconds=request_timeout)
+    if client:
+        client = {**_env_client_options(cloud), **client}
+    try:
+        return from_url(
+            url, config=config or None, client_options=client or None, retry_config=retry_config(retry_timeout)
+        )
+    except Exception as e:  # obstore's configuration errors: an unknown key, a malformed URL
+        hint = ""
+        if cloud == "azure" and "Account must be specified" in str(e):
+            hint = "; set AZURE_STORAGE_ACCOUNT_NAME, or write abfs://CONTAINER@ACCOUNT.dfs.core.windows.net/..."
+        raise LocationError(f"store {url}: {one_line(e)}{hint}") from None
+
+
+def open_store(text: str | os.PathLike[str] | Location, *, read_only: bool = False) -> Store:
+    """The zarr store for a store argument: ``LocalStore`` for a path, ``ObjectStore`` over obstore for
+    a URL."""
+    location = text if isinstance(text, Location) else parse(text)
+    if location.path is not None:
+        from zarr.storage import LocalStore
+
+        return LocalStore(location.path, read_only=read_only)
+    assert location.url is not None
+    inner = object_store(location.url)
+    from zarr.storage import ObjectStore
+
+    return ObjectStore(inner, read_only=read_only)
+
+
+def lock_object(location: Location, *, timeout: float | None = None) -> tuple[Any, str]:
+    """The obstore store of the prefix a remote store lives in, and the key of its lock there
+    (``name.zarr.lock``); ``timeout`` caps each request's tries and its retries, each."""
+    assert location.url is not None, "a local store's lock is a file (lock.py)"
+    store = object_store(location.parent_url, retry_timeout=timeout, request_timeout=timeout)
+    return store, location.name + ".lock"
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an obstore error (they carry a multi-line debug dump of the request)."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
