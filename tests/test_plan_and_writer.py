@@ -1,6 +1,8 @@
 """Chunk planning, host staging and the writer, without the CLI."""
 
+import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,3 +208,28 @@ def test_done_flags_listings_and_sizes_go_through_the_zarr_store_not_the_disk(tm
         assert store.stored_chunks("done", range(3)) == {0}
         assert store.done_flags().tolist() == [True, False, False]  # an absent flag reads False
     assert not (tmp_path / "nowhere.zarr").exists()
+
+
+def test_an_overwrite_sets_aside_every_late_write_of_a_holder_that_lost_the_lock(tmp_path, monkeypatch):
+    """A holder that lost its lock can land several writes it checked before the old store went aside,
+    one after another, each making its chunk's directories again at --out: the overwrite sets each aside,
+    and the new store is whole (CI once saw the second such write refuse the overwrite)."""
+    old = _store(tmp_path)
+    old.write_chunk(0, 0, 4, {"a": np.ones((4, 2), "float32")}, np.zeros(4), np.ones(4, bool))
+    path, real_rename, late_writes = old.path, os.rename, [3]
+
+    def rename_with_late_writes(source, target):
+        if Path(target) == path and late_writes[0]:  # the new store about to move in; the old is aside
+            late_writes[0] -= 1
+            (path / "features" / "a" / "c").mkdir(parents=True, exist_ok=True)
+            (path / "features" / "a" / "c" / "0").write_bytes(b"a late chunk")
+        real_rename(source, target)
+
+    monkeypatch.setattr(os, "rename", rename_with_late_writes)
+    new = FeatureStore.create(
+        path, shapes={"a": (2,)}, num_samples=10, chunk_size=4, dtype="float32", compressor="zstd",
+        attrs={"layers": ["a"]}, overwrite=True,
+    )  # fmt: skip
+    assert late_writes == [0] and not new.done_flags().any()
+    assert not (path / "features" / "a" / "c" / "0").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]

@@ -736,7 +736,8 @@ def test_a_holder_whose_lock_was_removed_stops_at_its_next_write(tmp_path, refer
     a = fork_start([*JOB_A, "--out", out], _environment(TINY_PACE="0.1", **slow_lock), stderr=a_err)
     _until(lambda: _chunks_done(out) >= 3, a, a_err)
     lock_path(out).unlink()
-    assert fork_run([*JOB_B, "--out", out, "--overwrite"], stderr=tmp_path / "b.err") == 0
+    b_err = tmp_path / "b.err"
+    assert fork_run([*JOB_B, "--out", out, "--overwrite"], stderr=b_err) == 0, b_err.read_text()[-2000:]
     _assert_lost_the_lock(fork_wait(a, timeout=60), a_err.read_text(), out)
     _assert_is_b(out, reference_b, capsys)
     assert not lock_path(out).exists()

@@ -9,6 +9,7 @@ done flags, deletion, sizes and listings go through zarr's store API, never thro
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -199,6 +200,23 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
         raise ExtractError(f"--out {path}: {parent} is a file, not a directory; choose another --out")
     check_writable(parent, f"--out {path}: cannot create it under {parent} (not writable)")
     return None
+
+
+def _move_into_place(scratch: Path, path: Path) -> None:
+    """Rename ``scratch`` to ``path``, an absent path or an empty directory. A holder that lost its lock
+    can still land the writes it checked a moment before the old store went aside (zarr has several in
+    flight at once), and each makes the directories of its chunk again: debris without root metadata,
+    which goes aside too, as often as such a write lands."""
+    for attempt in itertools.count():
+        try:
+            os.rename(scratch, path)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or (path / ROOT_METADATA).exists() or attempt >= 100:
+                raise
+        debris = path.with_name(f".{path.name}.debris-{os.getpid()}-{attempt}")
+        os.rename(path, debris)
+        shutil.rmtree(debris, ignore_errors=True)
 
 
 def sweep_scratch(path: Path) -> None:
@@ -404,17 +422,7 @@ class FeatureStore:
             skeleton.build(scratch, attrs)
             if overwrite and (_store_attrs(path) is not None or damaged_root(path) is not None):
                 os.rename(path, trash)
-            try:
-                os.rename(scratch, path)  # replaces an absent path or an empty directory
-            except OSError as e:
-                # A holder that lost its lock can still land a write it checked a moment before the old
-                # store went aside, and that write makes the directories of its chunk again: debris
-                # without root metadata, which goes aside too.
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or (path / ROOT_METADATA).exists():
-                    raise
-                os.rename(path, debris := path.with_name(f".{path.name}.debris-{os.getpid()}"))
-                shutil.rmtree(debris, ignore_errors=True)
-                os.rename(scratch, path)
+            _move_into_place(scratch, path)
         except OSError as e:
             objects.settle()  # zarr's other writes of the skeleton, still queued: none may land after the removal
             shutil.rmtree(scratch, ignore_errors=True)
