@@ -149,7 +149,8 @@ class TokenStream(IterableDataset):
         features = open_features(store)
         if features.kind != "tokens":
             raise ExtractError(
-                f"{features.path} is a {features.kind} store; TokenStream reads token stores (use FeatureDataset)"
+                f"{features.path} is not a token store (kind '{features.kind}'); TokenStream reads token "
+                "stores' rows: read this one with FeatureDataset"
             )
         for layer in self.layers:
             if len(features.array(layer).shape) != 2:  # an unknown layer fails here, with the valid names
