@@ -10,9 +10,10 @@ arrow dataset saved with ``save_to_disk`` in SAELens's cache layout (one row per
 an ``Array2D(context, D)`` column, ``token_ids`` beside it). Then, median of ``--repeats``
 interleaved epochs each (the order of the variants rotates every repeat):
 
-    a  codec         ``open_features(...).load(layer, dtype=None)``: zarr reads and decodes the whole layer
-                     in order, in blocks of chunks decoded concurrently: the codec alone on these cores
-    a32              the same into float32 (decode + convert)
+    a  codec         zarr reads and decodes the layer in order, ``window`` chunks a call (decoded
+                     concurrently, on every core) into one reused buffer: the codec alone on these cores
+       load          ``open_features(...).load(layer, dtype=None)``, and into float32: the reader's whole-layer
+                     read, into a fresh (page-faulting) array
     b  stream        one epoch of ``TokenStream(batch_size, window, dtype=float32)`` with W DataLoader
                      workers (``DataLoader(stream, batch_size=None, num_workers=W)``; W=0 in-process) and
                      T reading threads per process; ``f16`` keeps the stored float16
@@ -54,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extract.job.plan import MAX_TOKEN_CHUNK_SIZE, default_chunk_size  # noqa: E402
-from extract.read.features import open_features  # noqa: E402
+from extract.read.features import _read, open_features  # noqa: E402
 from extract.read.tokens import TokenStream  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore, TextArrays  # noqa: E402
@@ -237,15 +238,24 @@ def main(argv: list[str] | None = None) -> int:
                 == num_tokens
             )
 
+        array = features.array(LAYER)
+        reused = np.empty((window_rows, args.dim), dtype=np.float16)
+
+        def codec() -> None:
+            for start in range(0, num_tokens, window_rows):
+                _read(array, slice(start, min(start + window_rows, num_tokens)), reused)
+
         variants: dict[str, Callable[[], Any]] = {
-            "a_codec_float16": lambda: features.load(LAYER, dtype=None),
-            "a_codec_float32": lambda: features.load(LAYER),
+            "a_codec_float16": codec,
+            "a_load_float16": lambda: features.load(LAYER, dtype=None),
+            "a_load_float32": lambda: features.load(LAYER),
             "b_stream_w0_t0": stream(0, 0),
             "b_stream_w0_t2": stream(0, 2),
             "b_stream_w1_t2": stream(1, 2),
             "b_stream_w2_t1": stream(2, 1),
             "b_stream_w2_t2": stream(2, 2),
             "b_stream_f16_w0_t2": stream(0, 2, "float16"),
+            "b_stream_f16_w1_t2": stream(1, 2, "float16"),
             "c_npy_mmap_windows": npy_windows,
             "d_arrow_sae_slices": arrow_sae,
         }
