@@ -23,6 +23,8 @@ interleaved epochs each (the order of the variants rotates every repeat):
                      32 contexts, in order, as SAELens's ``ActivationsStore`` reads a cache
                      (``_load_raw_llm_batch_from_cached``), then the same window shuffle (SAELens mixes in
                      its ``mixing_buffer``)
+    e  ipc floor     a DataLoader worker yielding as many fresh float32 batches, gathered from a window in
+                     memory (no store): what moving the batches between processes costs by itself
 
 GB/s are of stored-dtype (float16) bytes, 1 GB = 1e9 B, and tokens/s of rows delivered; GB/CPU-s divides
 by the CPU time the variant used (all threads and reaped worker processes). Everything is read warm:
@@ -153,6 +155,21 @@ def shuffled_batches(blocks: Iterator[torch.Tensor], window_rows: int, batch: in
     return delivered
 
 
+class Batches(torch.utils.data.IterableDataset):
+    """The DataLoader's own cost: fresh (batch, D) float32 batches gathered from one in-memory window, as
+    many rows as the store has, no reading at all. Through a worker this is the IPC floor."""
+
+    def __init__(self, num_tokens: int, batch: int, dim: int, window_rows: int) -> None:
+        self.num_tokens, self.batch, self.dim, self.window_rows = num_tokens, batch, dim, window_rows
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        window = torch.zeros((self.window_rows, self.dim))
+        order = torch.randperm(self.window_rows)
+        for at in range(0, self.num_tokens, self.batch):
+            rows = min(self.batch, self.num_tokens - at)
+            yield window.index_select(0, order[at % (self.window_rows - rows + 1) :][:rows])
+
+
 def cpu_seconds() -> float:
     """CPU time of this process and its reaped children (DataLoader workers), all threads."""
     return sum(
@@ -245,6 +262,10 @@ def main(argv: list[str] | None = None) -> int:
             for start in range(0, num_tokens, window_rows):
                 _read(array, slice(start, min(start + window_rows, num_tokens)), reused)
 
+        def loader_floor(workers: int) -> None:
+            batches = Batches(num_tokens, args.batch_size, args.dim, window_rows)
+            assert sum(len(b) for b in DataLoader(batches, batch_size=None, num_workers=workers)) == num_tokens
+
         variants: dict[str, Callable[[], Any]] = {
             "a_codec_float16": codec,
             "a_load_float16": lambda: features.load(LAYER, dtype=None),
@@ -257,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             "b_stream_f16_w0_t2": stream(0, 2, "float16"),
             "b_stream_f16_w1_t2": stream(1, 2, "float16"),
             "c_npy_mmap_windows": npy_windows,
+            "e_ipc_floor_w1": lambda: loader_floor(1),
             "d_arrow_sae_slices": arrow_sae,
         }
         if args.variants:
