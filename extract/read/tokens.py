@@ -233,7 +233,13 @@ class TokenStream(IterableDataset):
         if not windows:
             return
         features = self._open()
-        features._lost  # noqa: B018 - the one listing of missing objects, before the threads race for it
+        # what the threads share, made here once rather than raced for: the listing of missing objects,
+        # the arrays, the offsets
+        features._lost  # noqa: B018
+        if self.rules.special:
+            features.store.array("special")
+        if self.rules.first:
+            features.offsets  # noqa: B018
         rng = np.random.default_rng((self.seed, self.epoch, 1, self.rank, worker))
         width = {layer: features.array(layer).shape[1] for layer in self.layers}
         rows = self.window * self.chunk_size
