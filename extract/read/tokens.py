@@ -243,7 +243,7 @@ class TokenStream(IterableDataset):
         rng = np.random.default_rng((self.seed, self.epoch, 1, self.rank, worker))
         width = {layer: features.array(layer).shape[1] for layer in self.layers}
         rows = self.window * self.chunk_size
-        buffers = [{layer: torch.empty((rows, d), dtype=self.dtype) for layer, d in width.items()} for _ in range(2)]
+        buffers = [{layer: _alloc((rows, d), self.dtype) for layer, d in width.items()} for _ in range(2)]
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-stream") if self.threads else None
         scratch = threading.local()
         carry: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
@@ -261,10 +261,7 @@ class TokenStream(IterableDataset):
                     take = order[: self.batch_size - len(carry[1])]
                     at = len(take)
                     merged = (
-                        {
-                            layer: torch.cat([carry[0][layer], values[layer].index_select(0, take)])
-                            for layer in self.layers
-                        },
+                        {layer: torch.cat([carry[0][layer], _take(values[layer], take)]) for layer in self.layers},
                         torch.cat([carry[1], rows_of.index_select(0, take)]),
                     )
                     if len(merged[1]) < self.batch_size:
@@ -275,12 +272,10 @@ class TokenStream(IterableDataset):
                 while at + self.batch_size <= len(order):
                     take = order[at : at + self.batch_size]
                     at += self.batch_size
-                    yield self._item(
-                        {layer: values[layer].index_select(0, take) for layer in self.layers}, rows_of[take]
-                    )
+                    yield self._item({layer: _take(values[layer], take) for layer in self.layers}, rows_of[take])
                 if at < len(order):
                     take = order[at:]
-                    carry = ({layer: values[layer].index_select(0, take) for layer in self.layers}, rows_of[take])
+                    carry = ({layer: _take(values[layer], take) for layer in self.layers}, rows_of[take])
             if carry is not None and not self.drop_last:
                 yield self._item(*carry)
         finally:
@@ -332,6 +327,19 @@ class TokenStream(IterableDataset):
             if self.rules.high_norm is not None:
                 keep &= _norms(values) <= self.rules.high_norm * self.median_norms[layer]
         return keep
+
+
+def _alloc(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor in numpy's memory, which asks for transparent huge pages for large arrays:
+    filling it page-faults far less than filling a ``torch.empty`` (a batch 2x, a window 5x faster here).
+    Any dtype, bfloat16 too: the bytes are numpy's, the view torch's."""
+    nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _take(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``values[rows]``, a fresh tensor (a batch outlives the window it came from)."""
+    return torch.index_select(values, 0, rows, out=_alloc((len(rows), values.shape[1]), values.dtype))
 
 
 def _same_dtype(dtype: torch.dtype, stored: np.dtype) -> bool:
