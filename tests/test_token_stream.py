@@ -4,6 +4,7 @@ workers partitioning them; each exclude rule; the values equal ``Features.load``
 contexts of their window; epochs reshuffle deterministically; bad rules, image stores and unknown
 layers are refused in one line."""
 
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from extract import TokenStream, open_features
 from extract.cli.extract import main as extract_main
-from extract.errors import ExtractError, LayerNotFoundError
+from extract.errors import ExtractError, LayerNotFoundError, StoreDamagedError
 from extract.read import tokens as token_module
 from extract.read.tokens import ExcludeRuleError
 
@@ -211,3 +212,12 @@ def test_an_image_store_and_an_unknown_layer_are_refused(stores, tmp_path):
     assert "\n" not in str(caught.value)
     with pytest.raises(LayerNotFoundError, match="has no layer 'transformer.h.9'.*closest"):
         TokenStream(stores["packed"], ["transformer.h.0", "transformer.h.9"], 8)
+
+
+def test_a_lost_chunk_is_named_not_streamed_as_nan(stores, tmp_path):
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(stores["ragged"], damaged)
+    (damaged / "features" / LAYERS[0] / "c" / "5" / "0").unlink()
+    with pytest.raises(StoreDamagedError, match=r"layer 'transformer.h.0', chunk 5 \(samples 320-383\) is missing"):
+        for _ in TokenStream(damaged, LAYERS[0], 32, threads=2):
+            pass
