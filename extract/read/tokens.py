@@ -4,7 +4,7 @@ across each window, every kept token exactly once per epoch over all ranks and D
 
 from __future__ import annotations
 
-import threading
+import queue
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ def _parse_rules(exclude: str | Sequence[str]) -> _Rules:
     rules = [exclude] if isinstance(exclude, str) else list(exclude)
     special, first, high_norm = False, 0, None
     for rule in rules:
-        name, _, value = str(rule).partition(":") if isinstance(rule, str) else ("", "", "")
+        name, _, value = rule.partition(":") if isinstance(rule, str) else ("", "", "")
         try:
             if name == "special" and not value:
                 special = True
@@ -66,6 +66,23 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise ExtractError(f"dtype {dtype!r} is not a torch floating dtype (use float32, float16, bfloat16, float64)")
     return value
+
+
+@dataclass
+class _Buffers:
+    """What a pass reads into, kept for the next epoch's: two windows of ``dtype`` rows per layer, and
+    one stored-dtype chunk per reading thread for the chunks that are converted (taken from ``scratch``
+    by a task, put back when it is done)."""
+
+    windows: list[dict[str, torch.Tensor]]
+    scratch: queue.SimpleQueue
+
+    @classmethod
+    def make(cls, shapes: dict[str, tuple[int, int]], dtype: torch.dtype, threads: int) -> _Buffers:
+        scratch: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(max(1, threads)):
+            scratch.put({})  # layer -> its chunk, made at first use
+        return cls([{layer: _alloc(shape, dtype) for layer, shape in shapes.items()} for _ in range(2)], scratch)
 
 
 @dataclass
@@ -97,7 +114,10 @@ class TokenStream(IterableDataset):
     ``threads`` background threads read and decode the next window (whole chunks, through zarr, which
     checks each object's checksum) while the consumer takes batches from this one, and convert it to
     ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
-    (``2 x window x chunk_size x D`` per layer) plus a stored chunk per thread.
+    (``2 x window x chunk_size x D`` per layer) plus a stored chunk per thread. zarr's decode and the
+    conversion release the GIL, so ``num_workers=0`` already uses several cores; DataLoader workers add a
+    copy of every batch through shared memory, which on a small machine costs more than the decode
+    (``benchmarks/token_stream.py``).
 
     ``exclude`` rules (a str or a sequence of them) drop rows:
 
@@ -112,8 +132,8 @@ class TokenStream(IterableDataset):
       ``np.random.default_rng(0)``: computed once, when the stream is made, the same for every
       rank, worker and epoch.
 
-    The store is opened lazily in each process: only the path is pickled to DataLoader workers, never
-    an open zarr handle. It must be a complete token store (``kind`` tokens).
+    The store is opened once per process that iterates: only the path is pickled to DataLoader
+    workers, never an open zarr handle. It must be a complete token store (``kind`` tokens).
     """
 
     def __init__(
@@ -159,12 +179,13 @@ class TokenStream(IterableDataset):
         self.num_chunks = features.num_chunks
         self.median_norms: dict[str, float] | None = None
         self._features: Features | None = features
+        self._spare: list[_Buffers] = []  # the last pass's buffers, for the next one in this process
         if self.rules.high_norm is not None:
             self.median_norms = self._median_norms(features)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_features"] = None
+        state.update(_features=None, _spare=[])
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -241,11 +262,13 @@ class TokenStream(IterableDataset):
         if self.rules.first:
             features.offsets  # noqa: B018
         rng = np.random.default_rng((self.seed, self.epoch, 1, self.rank, worker))
-        width = {layer: features.array(layer).shape[1] for layer in self.layers}
-        rows = self.window * self.chunk_size
-        buffers = [{layer: _alloc((rows, d), self.dtype) for layer, d in width.items()} for _ in range(2)]
+        shapes = {layer: (self.window * self.chunk_size, features.array(layer).shape[1]) for layer in self.layers}
+        spare = self._spare.pop() if self._spare else None  # another pass in this process takes none
+        same = spare is not None and {k: tuple(v.shape) for k, v in spare.windows[0].items()} == shapes
+        reuse = same and spare.windows[0][self.layers[0]].dtype == self.dtype
+        allocated = spare if reuse else _Buffers.make(shapes, self.dtype, self.threads)
+        buffers, scratch = allocated.windows, allocated.scratch
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-stream") if self.threads else None
-        scratch = threading.local()
         carry: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         try:
             pending = self._submit(pool, features, windows[0], buffers[0], scratch)
@@ -281,6 +304,13 @@ class TokenStream(IterableDataset):
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+            self._spare = [allocated]
+
+    def _under_norm(self, layer: str, values: np.ndarray) -> np.ndarray | bool:
+        """The rows of ``values`` that ``high_norm`` keeps (True without the rule)."""
+        if self.rules.high_norm is None:
+            return True
+        return _norms(values) <= self.rules.high_norm * self.median_norms[layer]
 
     def _item(self, values: dict[str, torch.Tensor], rows: torch.Tensor) -> Batch | tuple[Batch, torch.Tensor]:
         batch: Batch = values[self.layers[0]] if self.single else values
@@ -292,7 +322,7 @@ class TokenStream(IterableDataset):
         features: Features,
         chunks: np.ndarray,
         buffers: dict[str, torch.Tensor],
-        scratch: threading.local,
+        scratch: queue.SimpleQueue,
     ) -> list[tuple[Future | np.ndarray, int, int]]:
         """Start reading ``chunks`` into ``buffers`` (one task a chunk); (keep mask or its future, start, stop)."""
         tasks = []
@@ -305,7 +335,7 @@ class TokenStream(IterableDataset):
         return tasks
 
     def _fill(
-        self, features: Features, chunk: int, buffers: dict[str, torch.Tensor], at: int, scratch: threading.local
+        self, features: Features, chunk: int, buffers: dict[str, torch.Tensor], at: int, scratch: queue.SimpleQueue
     ) -> np.ndarray:
         """Read chunk ``chunk`` of every layer into rows ``at:`` of ``buffers``, converted to ``dtype``, and
         return the mask of its rows the rules keep."""
@@ -315,17 +345,18 @@ class TokenStream(IterableDataset):
             array = features.array(layer)
             target = buffers[layer][at : at + stop - start]
             if _same_dtype(self.dtype, array.dtype):  # zarr decodes straight into the window
-                values = self._read_stored(features, layer, chunk, target.numpy())
-            else:
-                key = (layer, array.dtype)
-                stored = getattr(scratch, "buffers", {}).get(key)
-                if stored is None:  # one per thread and layer: a fresh one would page-fault on every chunk
-                    stored = np.empty((self.chunk_size, array.shape[1]), dtype=array.dtype)
-                    scratch.buffers = {**getattr(scratch, "buffers", {}), key: stored}
+                keep &= self._under_norm(layer, self._read_stored(features, layer, chunk, target.numpy()))
+                continue
+            mine = scratch.get()  # a thread's chunk: a fresh one each time would page-fault on every chunk
+            try:
+                stored = mine.get(layer)
+                if stored is None:
+                    stored = mine[layer] = np.empty((self.chunk_size, array.shape[1]), dtype=array.dtype)
                 values = self._read_stored(features, layer, chunk, stored)
                 target.copy_(torch.from_numpy(values))
-            if self.rules.high_norm is not None:
-                keep &= _norms(values) <= self.rules.high_norm * self.median_norms[layer]
+                keep &= self._under_norm(layer, values)
+            finally:
+                scratch.put(mine)
         return keep
 
 
