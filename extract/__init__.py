@@ -20,6 +20,7 @@ _PUBLIC = {
     "FeatureDataset": "read.dataset",
     "Features": "read.features",
     "open_features": "read.features",
+    "TokenStream": "read.tokens",
     "JobSpec": "job.spec",
     "run": "job.runner",
 }
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .job.spec import JobSpec
     from .read.dataset import ChunkShuffleSampler, FeatureDataset
     from .read.features import Features, open_features
+    from .read.tokens import TokenStream
 
 __all__ = [
     "Capture",
@@ -43,6 +45,7 @@ __all__ = [
     "JobSpec",
     "LayerRef",
     "StopForward",
+    "TokenStream",
     "__version__",
     "open_features",
     "resolve_layers",

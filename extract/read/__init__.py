@@ -1,7 +1,9 @@
 """Reading a store: ``Features`` / ``open_features`` for numpy, zarr and torch, and the map-style torch
-dataset and chunk-window sampler for training on stored features."""
+dataset and chunk-window sampler for training on stored features, and ``TokenStream``, shuffled batches of
+a token store's rows."""
 
 from .dataset import ChunkShuffleSampler, FeatureDataset
 from .features import Features, open_features
+from .tokens import TokenStream
 
-__all__ = ["ChunkShuffleSampler", "FeatureDataset", "Features", "open_features"]
+__all__ = ["ChunkShuffleSampler", "FeatureDataset", "Features", "TokenStream", "open_features"]
