@@ -23,8 +23,19 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
 from ..errors import ExtractError, LockLostError, StoreBusyError, StoreDamagedError, rebuilt
-from ..store.lock import LockUnavailable, StoreLock, lock_path, lost_lock
-from ..store.store import DAMAGED, FeatureStore, check_out_path, check_writable, real_path, sweep_scratch
+from ..store.fence import lost_lock
+from ..store.location import is_url
+from ..store.lock import LockUnavailable, StoreLock, lock_path
+from ..store.object_lock import ObjectStoreLock
+from ..store.store import (
+    DAMAGED,
+    FeatureStore,
+    check_out_path,
+    check_out_url,
+    check_writable,
+    real_path,
+    sweep_scratch,
+)
 from .interrupt import Interrupted
 
 Log = Callable[[str], None]
@@ -33,12 +44,16 @@ T = TypeVar("T")
 
 class StoreLife:
     """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block.
-    ``life.out`` is the store's real path (``out`` with its links resolved): create and open it there."""
+    ``life.out`` is the store's real path (``out`` with its links resolved): create and open it there.
+    ``out`` may be a URL on object storage (``s3://...``): then the lock is an object beside the store
+    (``store/object_lock.py``) and creation writes the root metadata last (``store/remote.py``)."""
 
-    def __init__(self, out: Path, state: PartialState, log: Log) -> None:
-        self.given, self.out, self.state, self.log = out, real_path(out), state, log
+    def __init__(self, out: Path | str, state: PartialState, log: Log) -> None:
+        self.remote = is_url(out)
+        self.given, self.state, self.log = out, state, log
+        self.out: Path | str = str(out) if self.remote else real_path(Path(out))
         self.main = state.is_main_process
-        self.lock: StoreLock | None = None
+        self.lock: StoreLock | ObjectStoreLock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
         self.existing: dict[str, Any] | None = None
         self.store: FeatureStore | None = None
@@ -66,8 +81,9 @@ class StoreLife:
 
     def _named(self, error: ExtractError) -> ExtractError:
         """``error`` in the user's words where ``--out`` is a link: the path given, and the real one."""
-        if self.given == self.out:
+        if self.given == self.out or self.remote:
             return error
+        assert isinstance(self.out, Path)
         locked = f"; the lock is {lock_path(self.out)}" if isinstance(error, StoreBusyError) else ""
         told = str(error).replace(f"--out {self.out}", f"--out {self.given} (resolves to {self.out}{locked})", 1)
         return rebuilt(type(error), told)
@@ -83,6 +99,10 @@ class StoreLife:
         return self
 
     def _claim(self) -> dict[str, Any] | None:
+        if isinstance(self.out, str):  # object storage: a conditional create makes the lock
+            check_out_url(self.out)  # a prefix of foreign objects: refused before the lock is made
+            self.lock = ObjectStoreLock(self.out).__enter__()
+            return check_out_url(self.out)  # read again, now that nobody else can change it
         check_out_path(self.out)  # a regular file, a foreign directory, an unwritable parent: refused now
         lock = StoreLock(self.out)
         try:
@@ -113,7 +133,7 @@ class StoreLife:
         existing = self.existing
         if existing is not None and DAMAGED in existing and not overwrite:
             raise StoreDamagedError(
-                f"--out {self.out}: the store's root metadata {self.out / 'zarr.json'} are damaged "
+                f"--out {self.out}: the store's root metadata {self.out}/zarr.json are damaged "
                 f"({existing[DAMAGED]}); pass --overwrite to replace the store, or choose another --out"
             )
         if existing is None or overwrite:
@@ -134,8 +154,9 @@ class StoreLife:
                 raise ExtractError(
                     f"--out {self.out} is not writable (read-only or no permission); choose another --out"
                 )
-            target = self.out if self.out.is_dir() else self.out.parent
-            check_writable(target, f"--out {self.out} is not writable")
+            if isinstance(self.out, Path):  # on object storage, a write that is refused says so itself
+                target = self.out if self.out.is_dir() else self.out.parent
+                check_writable(target, f"--out {self.out} is not writable")
         return action
 
     def _recheck(self, action: str) -> str:

@@ -283,7 +283,7 @@ def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     )  # fmt: skip
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
-    index = saved_index(Path(spec.out), SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
+    index = saved_index(spec.out, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
     loaded, side = model.loaded, max(model.loaded.input_size)
     recorded = identity.get("data") if identity and not spec.overwrite else None
     dataset = build_dataset(
@@ -344,7 +344,7 @@ def _text(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     budget = spec.tokens_per_batch or spec.batch_size * TOKENS_PER_SEQUENCE
     identity = (existing or {}).get("identity") or {}
     if not spec.overwrite and identity.get("tokenization") == record:
-        offsets = FeatureStore.open(Path(spec.out), mode="r").array("offsets")[:]
+        offsets = FeatureStore.open(spec.out, mode="r").array("offsets")[:]
         return _Text(offsets, context, layers.per_token, budget, None, record, packing, (existing or {}).get("pack"))
     tokenized = tokenize(data.dataset, loaded, context, state, packing)
     if tokenized.arrays.num_tokens == 0:
@@ -601,7 +601,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         state = process_state(spec.timeout)
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
-        with StoreLife(Path(spec.out), state, log) as life:  # --out is ours before anything is prepared
+        with StoreLife(spec.out, state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, life.existing)
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite)
             if action == "complete":
@@ -632,7 +632,7 @@ def _announce(job: _Job, log: Log) -> None:
         log(note)
 
 
-def _create(job: _Job, out: Path, writer: str) -> FeatureStore:
+def _create(job: _Job, out: Path | str, writer: str) -> FeatureStore:
     """The new store at ``out`` (``--out`` with links resolved), its ``writer`` the lock's token from the
     first instant (``store/fence.py``)."""
     plan, spec, text = job.plan, job.spec, job.text

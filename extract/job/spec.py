@@ -12,6 +12,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from ..data.decode import DECODES
 from ..errors import ExtractError
+from ..store.location import is_url, parse
 
 DTYPES = ("float16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -102,6 +103,9 @@ def _check_out(out: str) -> None:
     (and ``--overwrite`` would delete it)."""
     if not out.strip():
         raise ExtractError("--out is empty; name the store to write, e.g. features.zarr")
+    if is_url(out):
+        parse(out)  # a malformed store URL is one line now, before any compute
+        return
     here, path = Path.cwd().resolve(), Path(out).resolve()
     if path == here or path in here.parents:
         where = "the current directory" if path == here else f"a directory above the current one ({here})"

@@ -21,6 +21,9 @@ from zarr.abc.store import Store
 from zarr.buffer import default_buffer_prototype
 from zarr.storage import WrapperStore
 
+from ..errors import LockLostError
+from .location import is_url
+
 ROOT_METADATA = "zarr.json"
 
 
@@ -36,10 +39,20 @@ def writer_of(metadata: bytes | None) -> str | None:
     return writer if isinstance(writer, str) else None
 
 
+def lost_lock(store: Path | str) -> LockLostError:
+    """The error of a job that lost the lock of ``store`` (a path, or a URL on object storage). The
+    lock modules are loaded here, when it happens: only writers meet this, readers never load a lock."""
+    if is_url(store):
+        from .object_lock import lost_lock as lost
+    else:
+        from .lock import lost_lock as lost  # type: ignore[assignment]
+    return lost(store)  # type: ignore[arg-type]
+
+
 class FencedStore(WrapperStore[Store]):
     """The store at ``path`` (``store``), writable only while its ``writer`` is ``token``."""
 
-    def __init__(self, store: Store, *, token: str, path: Path) -> None:
+    def __init__(self, store: Store, *, token: str, path: Path | str) -> None:
         super().__init__(store)
         self.token, self.path = token, path
 
@@ -50,8 +63,6 @@ class FencedStore(WrapperStore[Store]):
         """Raise ``LockLostError`` unless the store's ``writer`` is our token."""
         metadata = await self._store.get(ROOT_METADATA, prototype=default_buffer_prototype())
         if writer_of(None if metadata is None else metadata.to_bytes()) != self.token:
-            from .lock import lost_lock  # only writers meet this; readers never load the lock
-
             raise lost_lock(self.path)
 
     async def set(self, key: str, value: Buffer) -> None:

@@ -21,7 +21,8 @@ from zarr.buffer import default_buffer_prototype
 T = TypeVar("T")
 
 
-def _wait(coroutine: Coroutine[Any, Any, T]) -> T:
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a store's ``coroutine`` to completion from synchronous code (see above)."""
     with ThreadPoolExecutor(1, thread_name_prefix="extract-store") as thread:
         return thread.submit(asyncio.run, coroutine).result()
 
@@ -32,7 +33,7 @@ def listed(store: Store, prefix: str) -> set[str]:
     async def collect() -> set[str]:
         return {key async for key in store.list_prefix(prefix)}
 
-    return _wait(collect())
+    return run(collect())
 
 
 def children(store: Store, prefix: str) -> set[str]:
@@ -41,12 +42,12 @@ def children(store: Store, prefix: str) -> set[str]:
     async def collect() -> set[str]:
         return {name async for name in store.list_dir(prefix)}
 
-    return _wait(collect())
+    return run(collect())
 
 
 def size(store: Store, prefix: str) -> int:
     """The bytes of every object under ``prefix``."""
-    return _wait(store.getsize_prefix(prefix))
+    return run(store.getsize_prefix(prefix))
 
 
 def read(store: Store, key: str) -> bytes | None:
@@ -56,7 +57,7 @@ def read(store: Store, key: str) -> bytes | None:
         buffer = await store.get(key, prototype=default_buffer_prototype())
         return None if buffer is None else buffer.to_bytes()
 
-    return _wait(get())
+    return run(get())
 
 
 def suffixes(store: Store, keys: Iterable[str], size: int) -> list[bytes | None]:
@@ -74,12 +75,12 @@ def suffixes(store: Store, keys: Iterable[str], size: int) -> list[bytes | None]
     async def tails() -> list[bytes | None]:
         return list(await asyncio.gather(*(tail(key) for key in keys)))
 
-    return _wait(tails())
+    return run(tails())
 
 
 def write(store: Store, key: str, data: bytes) -> None:
     """Replace object ``key`` with ``data`` (one PUT)."""
-    _wait(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+    run(store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
 
 
 def delete(store: Store, keys: Iterable[str]) -> None:
@@ -88,7 +89,7 @@ def delete(store: Store, keys: Iterable[str]) -> None:
     async def remove() -> None:
         await asyncio.gather(*(store.delete(key) for key in keys))
 
-    _wait(remove())
+    run(remove())
 
 
 def settle() -> None:

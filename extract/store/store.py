@@ -26,9 +26,9 @@ from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
 from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
-from . import objects, stats
+from . import objects, remote, stats
 from .chunks import Plan
-from .fence import ROOT_METADATA, FencedStore, writer_of
+from .fence import ROOT_METADATA, FencedStore, lost_lock, writer_of
 from .location import is_url, open_store
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
 from .stats import STATS
@@ -219,6 +219,24 @@ def _move_into_place(scratch: Path, path: Path) -> None:
         shutil.rmtree(debris, ignore_errors=True)
 
 
+def check_out_url(url: str) -> dict[str, Any] | None:
+    """``check_out_path`` for a store on object storage: the attributes of the store there, ``None`` when
+    there is none yet (an empty prefix, or a store's debris: a creation or deletion that did not finish,
+    which its lock's next holder deletes), or ``{DAMAGED: why}``. A prefix of other objects is refused."""
+    found = remote.survey(open_store(url))
+    attrs = None if found.root is None else _decoded_attrs(found.root, f"{url}/{METADATA}", damaged=False)
+    if attrs is not None:
+        return attrs
+    if found.root is not None and found.ours:
+        return {DAMAGED: "it does not decode as an extract store's metadata"}
+    if found.occupied and not found.ours:
+        raise ExtractError(
+            f"--out {url} is a prefix of objects that are not an extract store; choose a new prefix "
+            "(it is never overwritten)"
+        )
+    return None
+
+
 def sweep_scratch(path: Path) -> None:
     """Delete what a killed creation or overwrite left beside ``path``. Only the lock's holder calls this:
     nobody else can be building or deleting there."""
@@ -251,7 +269,7 @@ class _Skeleton:
     kind: str = "images"
     text: TextArrays | None = None
 
-    def build(self, path: Path, attrs: dict[str, Any]) -> None:
+    def build(self, path: Path | zarr.abc.store.Store, attrs: dict[str, Any]) -> None:
         group = zarr.open_group(
             path,
             mode="w",
@@ -416,6 +434,8 @@ class FeatureStore:
             dict(shapes), num_samples, chunk_size, dtype, compressor, dict(layouts or {}), keys, dict(indexes or {}),
             kind, text,
         )  # fmt: skip
+        if is_url(path):
+            return cls._create_remote(str(path), skeleton, attrs, overwrite)
         scratch = path.with_name(f".{path.name}.creating-{os.getpid()}")
         trash = path.with_name(f".{path.name}.trash-{os.getpid()}")
         try:
@@ -433,12 +453,29 @@ class FeatureStore:
         return cls.open(path)
 
     @classmethod
+    def _create_remote(cls, url: str, skeleton: _Skeleton, attrs: dict[str, Any], overwrite: bool) -> FeatureStore:
+        """``create`` on object storage, where there is no rename: the old store or a creation's debris is
+        deleted (root metadata first), then the skeleton is written with its root metadata last."""
+        store = open_store(url)
+        found = remote.survey(store)
+        if found.occupied and not found.ours:
+            raise ExtractError(f"--out {url} is a prefix of objects that are not an extract store; choose a new prefix")
+        if found.root is not None and not overwrite:
+            raise ExtractError(f"--out {url} already holds a store; pass --overwrite to replace it")
+        if found.occupied:
+            remote.delete_store(store)
+        building = remote.RootLast(store)
+        skeleton.build(building, attrs)
+        building.commit()
+        return cls.open(url)
+
+    @classmethod
     def open(cls, path: Path | str, mode: str = "r+", writer: str | None = None) -> FeatureStore:
         """Open and validate: a known format version, every array there, shapes that agree with
         ``num_samples`` and the chunk size. Metadata that disagree are an error, never believed.
         ``writer``: the job's lock token, which the store's ``writer`` must be for any write to happen
         (``fence.py``); set it with ``claim`` first. ``path`` may be a URL on object storage
-        (``s3://...``; read-only for now)."""
+        (``s3://...``)."""
         if is_url(path):
             return cls._open_remote(str(path), mode, writer)
         path = Path(path)
@@ -454,16 +491,16 @@ class FeatureStore:
     @classmethod
     def _open_remote(cls, url: str, mode: str, writer: str | None) -> FeatureStore:
         """A store on object storage, opened through zarr's ``ObjectStore`` (``location.py``)."""
-        if mode != "r" or writer is not None:
-            raise ExtractError(f"{url}: stores on object storage are opened read-only (mode 'r') by this version")
-        remote = open_store(url, read_only=True)
-        data = objects.read(remote, METADATA)
+        location: Any = open_store(url, read_only=mode == "r")
+        data = objects.read(location, METADATA)
         attrs = None if data is None else _decoded_attrs(data, f"{url}/{METADATA}", damaged=True)
         if attrs is None:
-            there = data is not None or bool(objects.children(remote, ""))
+            there = data is not None or bool(objects.children(location, ""))
             raise (ExtractError if there else StoreNotFoundError)(f"{url} is not an extract store")
         _check_version(url, attrs)
-        return cls._opened(zarr.open_group(remote, mode="r"), url, None, attrs)
+        if writer is not None:
+            location = FencedStore(location, token=writer, path=url)
+        return cls._opened(zarr.open_group(location, mode=mode), url, writer, attrs)
 
     @classmethod
     def _opened(cls, group: zarr.Group, path: Path | str, writer: str | None, attrs: dict[str, Any]) -> FeatureStore:
@@ -479,8 +516,6 @@ class FeatureStore:
     def check_writer(self, token: str | None = None) -> None:
         """Raise ``LockLostError`` unless the store's ``writer``, read afresh, is ``token`` (default: ours)."""
         if writer_of(objects.read(self.group.store, ROOT_METADATA)) != (token or self.writer):
-            from .lock import lost_lock  # only writers meet this; readers never load the lock
-
             raise lost_lock(self.path)
 
     def _validate(self, attrs: dict[str, Any]) -> None:
@@ -737,12 +772,12 @@ class FeatureStore:
         return objects.size(self.group.store, "features/")
 
 
-def saved_index(path: Path, name: str, legacy: str | None = None) -> bytes | None:
+def saved_index(path: Path | str, name: str, legacy: str | None = None) -> bytes | None:
     """The index ``name`` saved in the store at ``path``, or None. ``legacy``: the key that stores from
     before ``index/<name>`` kept it under (an object inside the hierarchy that zarr warns about). The
     index only saves a rescan, so one that cannot be read is None, and the data is listed again."""
     try:
-        group = zarr.open_group(path, mode="r")
+        group = zarr.open_group(open_store(path, read_only=True), mode="r")
         if f"{INDEXES}/{name}" in group:
             return group[f"{INDEXES}/{name}"][:].tobytes()  # type: ignore[union-attr]
         return objects.read(group.store, legacy) if legacy is not None else None
