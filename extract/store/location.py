@@ -238,3 +238,9 @@ def one_line(error: BaseException) -> str:
     """The first line of an obstore error (they carry a multi-line debug dump of the request)."""
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
+
+
+def from_object_storage(error: BaseException) -> bool:
+    """Whether ``error`` is obstore's: a request that failed past its retries, a refused credential.
+    Told by its module, so that a command on local stores never imports obstore to ask."""
+    return type(error).__module__.startswith("obstore")
