@@ -63,7 +63,6 @@ def command(
                 say(prog, f"error: object storage: {one_line(e)}")  # the request, its object and its error
                 return 1
 
-
         return run
 
     return wrap
