@@ -50,7 +50,8 @@ class StoreLife:
 
     def __init__(self, out: Path | str, state: PartialState, log: Log) -> None:
         self.remote = is_url(out)
-        self.given, self.state, self.log = out, state, log
+        self.given: Path | str = str(out) if self.remote else Path(out)
+        self.state, self.log = state, log
         self.out: Path | str = str(out) if self.remote else real_path(Path(out))
         self.main = state.is_main_process
         self.lock: StoreLock | ObjectStoreLock | None = None
