@@ -33,7 +33,7 @@ UNPLACED = "not the object written for this chunk (swapped, copied or stale)"
 
 @dataclass
 class Report:
-    path: Path
+    path: Path | str  # a URL for a store on object storage
     num_chunks: int
     done: int  # chunks marked done
     complete: bool  # the store's status says so
