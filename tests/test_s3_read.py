@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import TINY
 from forked import fork_run
 from s3 import S3Prefix
@@ -118,3 +119,40 @@ def test_probe_and_compare_on_a_url_as_on_the_path(capsys, stores, tmp_path):
         results[name] = (probe["layers"], cka["cka"])
     capsys.readouterr()
     assert results["url"] == results["local"]
+
+
+def test_report_on_a_url_as_on_the_path(capsys, stores, tmp_path):
+    pytest.importorskip("matplotlib")
+    from extract.cli.report import main as report_main
+
+    local, url = stores
+    pages = {}
+    for name, store in (("local", local), ("url", url)):
+        out = tmp_path / f"{name}.html"
+        assert report_main([str(store), "--out", str(out), "--device", "cpu"]) == 0
+        pages[name] = out.read_text().replace(str(store), "STORE")
+    capsys.readouterr()
+    assert "extract report: ref.zarr" in pages["url"] and pages["url"] == pages["local"]
+
+
+def test_token_stream_reads_a_url_as_the_path(tmp_path, s3):
+    from text_models import real_documents, save_text_model, write_jsonl
+
+    from extract import TokenStream
+    from extract.cli.extract import main as extract_main
+
+    data = write_jsonl(tmp_path / "docs.jsonl", real_documents(12))
+    model = save_text_model("gpt2", tmp_path / "gpt2")
+    local = tmp_path / "tokens.zarr"
+    assert extract_main(["--model", f"hf:{model}", "--data", f"text:{data}", "--chunk-size", "64", "--dtype",
+                         "float16", "--layers", "transformer.h.0", "--pack", "32", "--context-length", "32",
+                         "--out", str(local)]) == 0  # fmt: skip
+    url = upload(s3, local, "tokens.zarr")
+    stored = open_features(local).load("transformer.h.0")
+    streams = [TokenStream(store, "transformer.h.0", 48, window=4, exclude="special", return_index=True, seed=1)
+               for store in (local, url)]  # fmt: skip
+    batches = [list(stream) for stream in streams]
+    assert len(batches[0]) == len(batches[1]) > 2
+    for (a, rows_a), (b, rows_b) in zip(*batches, strict=True):
+        assert torch.equal(rows_a, rows_b) and torch.equal(a, b)
+        np.testing.assert_array_equal(b.numpy(), stored[rows_b.numpy()])
