@@ -13,6 +13,10 @@ launcher's process group alone (the ranks must notice and stop; the time they li
 
     python benchmarks/kill_storm.py --processes 1 --trials 100 --json storm1.json
     python benchmarks/kill_storm.py --processes 2 --trials 24 --json storm2.json
+    python benchmarks/kill_storm.py --s3 --trials 60     # a store on S3 (moto's server on loopback)
+
+``--s3`` runs ``tests/s3_forked.py storm`` (the suite's storm on S3, which kills at 10 points) with
+``--trials`` points spread over every object a run writes, plus its targeted points.
 
 Repeatable: ``--seed`` fixes the kill instants and kinds.
 """
@@ -204,6 +208,31 @@ def same(got: Path, expected: Path) -> str | None:
     return None
 
 
+def s3_storm(points: int) -> None:
+    """The storm of ``tests/s3_forked.py`` with ``points`` kills, against moto's server in this process
+    (which makes no request through obstore: the storm forks its runs)."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line a request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "S3_BUCKET": "storm", "S3_STORM_POINTS": str(points)}  # fmt: skip
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="storm")  # fmt: skip
+    started = time.time()
+    try:
+        subprocess.run([sys.executable, str(ROOT / "tests" / "s3_forked.py"), "storm", "bench"],
+                       env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, check=True)  # fmt: skip
+    finally:
+        server.stop()
+    print(f"s3 storm: {time.time() - started:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=1)
@@ -216,7 +245,11 @@ def main() -> None:
         default=None,
         help="seconds each forward sleeps (default 0, or 0.05 with several processes)",
     )
+    parser.add_argument("--s3", action="store_true", help="the storm on a store on S3 (moto on loopback)")
     args = parser.parse_args()
+    if args.s3:
+        s3_storm(args.trials)
+        return
     sys.path.insert(0, str(ROOT))
     import extract.job.runner  # noqa: F401 - imported once here, so a forked trial's clock starts at the job itself
 

@@ -44,6 +44,13 @@ class LockLostError(ExtractError):
     exit_code = 1
 
 
+class ObjectStorageError(ExtractError):
+    """A request to object storage failed past its retries (an outage, a refused credential); exit
+    status 1: not bad input. Nothing was marked done that was not written; a rerun resumes."""
+
+    exit_code = 1
+
+
 class StoreDamagedError(ExtractError):
     """A store whose metadata or objects are damaged, edited or unfinished; the message says how to
     repair it (``python -m extract.verify --repair``, a rerun, or ``--overwrite``)."""

@@ -338,9 +338,7 @@ def test_open_features_reads_a_store_on_s3(s3, tmp_path):
     value, label = dataset[5]
     np.testing.assert_array_equal(value.numpy(), layers["a"][5])
     assert label == labels[5] and dataset.path == s3.url("out.zarr")
-    with pytest.raises(ExtractError, match="read-only") as error:
-        FeatureStore.open(s3.url("out.zarr"))
-    assert "\n" not in str(error.value)
+    assert FeatureStore.open(s3.url("out.zarr")).done_flags().all()  # writable too, since issue 20's jobs
 
 
 def test_a_url_with_no_store_is_not_found(s3):

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -156,21 +157,30 @@ def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, 
 SMALL_CHUNKS = ["--chunk-size", "16", "--tokens-per-batch", "32"]  # many chunks: a kill lands mid-run
 
 
+def _s3_server(request):
+    """The session's S3 server, or None where moto or obstore is not installed."""
+    try:
+        return request.getfixturevalue("s3_server")
+    except pytest.skip.Exception:
+        return None
+
+
 @pytest.fixture(scope="module")
-def launched(corpus, tmp_path_factory):
-    """Two launches for the module: 2 ranks run a whole job, then a second job whose last rank is
-    SIGKILLed mid-run; 3 ranks run the whole job, then resume the killed one."""
+def launched(corpus, tmp_path_factory, request):
+    """Two launches for the module: 2 ranks run a whole job, the same job on S3, then a second job
+    whose last rank is SIGKILLed mid-run; 3 ranks run the whole job, then resume the killed one."""
     two_folder, three_folder = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("three")
     killed = two_folder / "killed.zarr"
     whole = ["--chunk-size", "64", "--tokens-per-batch", "256"]
-    two = Sequence(
-        2, {
-            "whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole),
-            "packed": _packed_job(corpus, "gpt2", two_folder / "packed.zarr", "--chunk-size", "100"),
-            "killed": _job(corpus, "gpt2", killed, *SMALL_CHUNKS),
-        },
-        two_folder,
-    )  # fmt: skip
+    server = _s3_server(request)
+    on_s3 = f"s3://{server.bucket}/tokens-{uuid.uuid4().hex[:8]}/p2.zarr" if server else None
+    jobs = {
+        "whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole),
+        **({"s3": _job(corpus, "gpt2", on_s3, *whole)} if on_s3 else {}),
+        "packed": _packed_job(corpus, "gpt2", two_folder / "packed.zarr", "--chunk-size", "100"),
+        "killed": _job(corpus, "gpt2", killed, *SMALL_CHUNKS),
+    }
+    two = Sequence(2, jobs, two_folder, env=server.env() if server else None)
     job = two.start()
     deadline = time.time() + 240
     while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6):
@@ -189,7 +199,10 @@ def launched(corpus, tmp_path_factory):
         three_folder,
     )  # fmt: skip
     finished = three.run(timeout=300)
-    return {"two": two, "three": three, "killed": killed, "done_before": done_before, "finished": finished}
+    return {
+        "two": two, "three": three, "killed": killed, "done_before": done_before, "finished": finished,
+        "s3": on_s3, "s3_env": server.env() if server else None,
+    }  # fmt: skip
 
 
 def test_two_and_three_processes_equal_one(launched, gpt2_reference):
@@ -203,6 +216,30 @@ def test_two_and_three_processes_equal_one(launched, gpt2_reference):
         for layer in reference.layers:
             values = f.load(layer)
             assert not np.isnan(values).any() and _close(values, reference.load(layer)), (processes, layer)
+
+
+def test_a_token_job_on_s3_by_two_processes_equals_the_same_job_on_disk(launched, monkeypatch):
+    """Issue 20: the store 2 ranks wrote to S3 holds, byte for byte, what the same job wrote to disk:
+    features, token ids, special, offsets, labels, keys and done (every array, by listing)."""
+    if launched["s3"] is None:
+        pytest.skip("the S3 tests need moto[server] and obstore (pip install 'extract[test]')")
+    for variable, value in launched["s3_env"].items():
+        monkeypatch.setenv(variable, value)
+    result = launched["two"].result("s3")
+    assert result.codes == [0, 0], result.stderr[-3000:]
+    import zarr
+
+    from extract.store.location import open_store
+
+    local = zarr.open_group(launched["two"].folder / "p2.zarr", mode="r")
+    remote = zarr.open_group(open_store(launched["s3"], read_only=True), mode="r")
+    arrays = sorted(name for name, member in local.members(max_depth=None) if isinstance(member, zarr.Array))
+    assert arrays == sorted(name for name, m in remote.members(max_depth=None) if isinstance(m, zarr.Array))
+    assert {"token_ids", "special", "offsets", "labels", "keys", "done", "features/transformer.h.0"} <= set(arrays)
+    for name in arrays:
+        np.testing.assert_array_equal(remote[name][:], local[name][:], err_msg=name)
+    assert remote.attrs["status"] == "complete" and remote.attrs["fingerprint"] == local.attrs["fingerprint"]
+    assert remote.attrs["runs"][-1]["world_size"] == 2
 
 
 def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_tampered_chunk(

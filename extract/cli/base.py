@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, ParamSpec
 
 from ..errors import ExtractError
+from ..store.location import from_object_storage, one_line
 
 P = ParamSpec("P")
 # (the command's name, the exception) -> the exit status; the handler prints its own line, if any
@@ -39,8 +40,9 @@ def command(
 ) -> Callable[[Callable[P, int]], Callable[P, int]]:
     """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` (unless another
     process says it) and its exit status, 2 unless the type says otherwise (1 for a ``LockLostError``);
-    an exception of a type in ``failures`` goes to the first handler (in order) whose type it is;
-    anything else propagates with its traceback, since it is a bug rather than bad input."""
+    an exception of a type in ``failures`` goes to the first handler (in order) whose type it is; an
+    error of object storage past its retries is one line naming the request, exit status 1; anything
+    else propagates with its traceback, since it is a bug rather than bad input."""
     failures = dict(failures or {})
 
     def wrap(main: Callable[P, int]) -> Callable[P, int]:
@@ -55,6 +57,11 @@ def command(
             except tuple(failures) as e:
                 handle = next(handle for kind, handle in failures.items() if isinstance(e, kind))
                 return handle(prog, e)
+            except Exception as e:
+                if not from_object_storage(e):
+                    raise
+                say(prog, f"error: object storage: {one_line(e)}")  # the request, its object and its error
+                return 1
 
         return run
 

@@ -18,6 +18,7 @@ from ..job.interrupt import Interrupted
 from ..job.launcher import is_first_rank, speaks_for_machine
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
+from ..store.location import from_object_storage, one_line
 from ..store.schema import COMPRESSORS
 from ..store.writer import WriterError
 from .base import Failure, Parser, command, say
@@ -204,6 +205,14 @@ def _filesystem_failed(prog: str, e: OSError) -> int:
     return 1
 
 
+def _storage_failed(prog: str, e: Exception) -> int:
+    """A request to object storage that failed past its retries (an outage), outside the writer."""
+    if not from_object_storage(e):
+        raise e
+    say(prog, f"error: object storage: {one_line(e)}; {UNMARKED}")
+    return 1
+
+
 def _keyboard_interrupt(prog: str, e: KeyboardInterrupt) -> int:
     say(prog, "interrupted; rerun the same command to resume")
     return 130
@@ -217,6 +226,7 @@ EXTRACTION_FAILURES: dict[type[BaseException], Failure] = {
     BrokenPipeError: _reader_left,
     OSError: _filesystem_failed,
     KeyboardInterrupt: _keyboard_interrupt,
+    Exception: _storage_failed,  # last: only obstore's errors are handled, any other propagates
 }
 
 

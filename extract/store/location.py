@@ -213,17 +213,30 @@ def object_store(url: str, *, retry_timeout: float | None = None, request_timeou
 
 def open_store(text: str | os.PathLike[str] | Location, *, read_only: bool = False) -> Store:
     """The zarr store for a store argument: ``LocalStore`` for a path, ``ObjectStore`` over obstore for
-    a URL."""
+    a URL. A writable one caps each request, and its retries, at a third of the lock's stale age each
+    (``write_timeout``)."""
     location = text if isinstance(text, Location) else parse(text)
     if location.path is not None:
         from zarr.storage import LocalStore
 
         return LocalStore(location.path, read_only=read_only)
     assert location.url is not None
-    inner = object_store(location.url)
+    timeout = None if read_only else write_timeout()
+    inner = object_store(location.url, retry_timeout=timeout, request_timeout=timeout)
     from zarr.storage import ObjectStore
 
     return ObjectStore(inner, read_only=read_only)
+
+
+def write_timeout() -> float:
+    """The cap on a write's tries (``EXTRACT_OBJECT_RETRY_TIMEOUT``), and on each try, of a job: at most
+    a third of the lock's stale age. A job's write is checked against the store's writer before its
+    first try (``fence.py``), so its last try must end before another job could take the store over
+    (the stale age after the job's last heartbeat): a write held up in an outage then never lands in
+    the next job's store. For longer outages, raise ``EXTRACT_LOCK_STALE_AFTER`` too."""
+    from .lock import timings
+
+    return min(_retry_timeout(), max(5.0, timings()[1] / 3))
 
 
 def lock_object(location: Location, *, timeout: float | None = None) -> tuple[Any, str]:
@@ -238,3 +251,9 @@ def one_line(error: BaseException) -> str:
     """The first line of an obstore error (they carry a multi-line debug dump of the request)."""
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
+
+
+def from_object_storage(error: BaseException) -> bool:
+    """Whether ``error`` is obstore's: a request that failed past its retries, a refused credential.
+    Told by its module, so that a command on local stores never imports obstore to ask."""
+    return type(error).__module__.startswith("obstore")

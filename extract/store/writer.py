@@ -14,7 +14,15 @@ import torch
 from ..capture.staging import HostStaging, Slot
 from ..errors import LockLostError
 from .chunks import Plan, chunk_segments
+from .location import from_object_storage, one_line
 from .store import FeatureStore
+
+
+def _described(error: BaseException) -> str:
+    """One line: obstore's errors carry a many-line dump of the request after their first line."""
+    if from_object_storage(error):
+        return f"object storage: {one_line(error)}"
+    return repr(error)
 
 
 class WriterError(RuntimeError):
@@ -72,7 +80,7 @@ class ChunkWriter:
         if isinstance(self._error, LockLostError):  # not a failure of the writer: said as it is, exit 1
             raise self._error
         if self._error is not None:
-            raise WriterError(f"writing the store failed: {self._error!r}") from self._error
+            raise WriterError(f"writing the store failed: {_described(self._error)}") from self._error
 
     def submit(self, slot: Slot, indices: torch.Tensor, labels: torch.Tensor, valid: np.ndarray) -> None:
         self._put((slot, indices.numpy().astype(np.int64), labels.numpy().astype(np.int64), valid))

@@ -1,0 +1,241 @@
+"""Forked runs against a store on S3, run as a script of its own: ``python tests/s3_forked.py storm|race
+PREFIX`` with the environment pointing at the S3 server (``S3Server.env()``) and ``S3_BUCKET``.
+
+Each run is forked from this process (torch is imported once), and killed at a chosen point. obstore's
+runtime does not survive a fork (obstore is not fork-safe: a child of a process that made a request
+hangs on its first), so this process never makes a request through obstore: it looks at the bucket
+with boto3 and compares the stores after downloading them. That is why this is a script: the test
+process has used obstore long before.
+
+``storm``: ``POINTS`` kills spread over every object a whole run writes (creation, every chunk, the final
+marking), and the chosen ones of ``TARGETED``. After each kill: the kill landed at its point; the prefix
+is a store only if its root metadata were written, and then holds nothing marked done that was not
+written; one rerun of the same command gives the store the job gives on disk, and leaves no lock.
+``S3_STORM_POINTS`` sets a larger storm.
+
+``race``: two jobs started together on one ``s3://`` path, meeting at the lock's conditional create:
+exactly one runs, the other stops with one line naming the holder.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait  # noqa: E402
+
+from extract.store import object_lock, remote  # noqa: E402
+from extract.store.store import FeatureStore  # noqa: E402
+
+TINY = HERE / "tiny_models.py"
+JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
+       "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+ARRAYS = ("features/heads.conv", "labels", "valid", "keys")
+POINTS = int(os.environ.get("S3_STORM_POINTS", "10"))
+
+
+def _client():
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
+
+
+BUCKET = os.environ.get("S3_BUCKET", "extract-tests")
+
+
+def keys(prefix: str) -> list[str]:
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", []))
+
+
+def download(prefix: str, into: Path) -> Path:
+    client = _client()
+    for key in keys(prefix):
+        target = into / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(client.get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"].read())
+    return into
+
+
+def wipe(prefix: str) -> None:
+    client = _client()
+    for key in keys(prefix):
+        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{key}")
+    client.delete_object(Bucket=BUCKET, Key=f"{prefix}.lock")
+
+
+def lock_exists(prefix: str) -> bool:
+    listed = _client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}.lock")
+    return any(o["Key"] == f"{prefix}.lock" for o in listed.get("Contents", []))
+
+
+def assert_same_store(got: Path, expected: Path) -> None:
+    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
+    assert a.attrs["status"] == "complete" and a["done"][:].all()
+    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
+    for name in ARRAYS:
+        np.testing.assert_array_equal(a[name][:], b[name][:], err_msg=name)
+
+
+def log_writes(log: Path, die_at: int | None = None):
+    """For ``before``: append the key of every object zarr writes on object storage (and ``delete`` for
+    each bulk delete) to ``log``, and SIGKILL ourselves instead of write number ``die_at``."""
+    from zarr.storage import ObjectStore
+
+    count = [0]
+
+    def note(what: str) -> None:
+        with open(log, "a") as f:
+            f.write(what + "\n")
+        if count[0] == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        count[0] += 1
+
+    def wrap(method):
+        async def logged(self, key, value, *args, **kwargs):
+            note(f"store:{key}")
+            return await method(self, key, value, *args, **kwargs)
+
+        return logged
+
+    set_, create = ObjectStore.set, ObjectStore.set_if_not_exists
+    delete = remote._delete
+
+    def deleting(store, batch):
+        if batch:
+            note("delete")
+        return delete(store, batch)
+
+    def install():
+        ObjectStore.set, ObjectStore.set_if_not_exists = wrap(set_), wrap(create)
+        remote._delete = deleting
+
+    return install
+
+
+def _completing(self, **values):
+    return values.get("status") == "complete"
+
+
+TARGETED = {
+    "claim-lock": (die_on(object_lock, "_put", 1), False),  # before the lock's conditional create
+    "create-before-root": (die_on(remote.RootLast, "commit", 1), False),  # the skeleton, not its root
+    "mid-chunk": (die_on(FeatureStore, "write_chunk", 5), False),
+    "before-complete": (die_on(FeatureStore, "update_attrs", 1, _completing), False),
+    "after-complete": (die_after(FeatureStore, "update_attrs", _completing), False),
+    # --overwrite of the complete store, killed once its root metadata are deleted: the plain rerun
+    # finds debris, not a half store, and finishes the deletion
+    "overwrite-after-root": (die_on(remote, "_delete", 2), True),
+}
+
+
+def check_what_is_left(prefix: str, logged: list[str], scratch: Path) -> None:
+    """After a kill at the last write of ``logged`` (never made)."""
+    made = logged[:-1]
+    left = keys(prefix)
+    assert ("zarr.json" in left) == ("store:zarr.json" in made), (left[:5], made[-3:])
+    if "zarr.json" not in left:
+        return
+    group = zarr.open_group(download(prefix, scratch), mode="r")
+    done = np.flatnonzero(group["done"][:]).tolist()
+    written = {int(w.rsplit("/", 1)[1]) for w in made if w.startswith("store:done/c/")}
+    assert set(done) <= written, (done, written)
+    features = group["features/heads.conv"][:]
+    for chunk in done:
+        assert not np.isnan(features[chunk * 4 : chunk * 4 + 4]).any(), chunk
+
+
+def storm(prefix: str) -> None:
+    work = Path(tempfile.mkdtemp(prefix="s3-storm-"))
+    reference = work / "ref.zarr"
+    assert fork_run([*JOB, "--out", reference]) == 0
+    url = f"s3://{BUCKET}/{prefix}/storm.zarr"
+    store = f"{prefix}/storm.zarr"
+    whole = work / "whole.log"
+    assert fork_run([*JOB, "--out", url], before=log_writes(whole)) == 0, "the uninterrupted run failed"
+    assert_same_store(download(store, work / "whole.zarr"), reference)
+    writes = whole.read_text().splitlines()
+    points = sorted(set(np.linspace(0, len(writes) - 1, POINTS).round().astype(int).tolist()))
+
+    def rerun(name: str) -> None:
+        assert fork_run([*JOB, "--out", url]) == 0, f"the rerun after the kill at {name} failed"
+        assert_same_store(download(store, work / f"after-{name}.zarr"), reference)
+        assert not lock_exists(store), f"the rerun after {name} left its lock"
+
+    for point in points:
+        name = f"write-{point}-of-{len(writes)}"
+        wipe(store)
+        log = work / f"{name}.log"
+        code = fork_run([*JOB, "--out", url], before=log_writes(log, die_at=point))
+        assert code == -signal.SIGKILL, f"the kill at {name} did not land ({code})"
+        logged = log.read_text().splitlines()
+        assert len(logged) == point + 1, f"the kill at {name} landed at write {len(logged) - 1}"
+        check_what_is_left(store, logged, work / f"left-{name}.zarr")
+        rerun(name)
+    for name, (before, overwrite) in TARGETED.items():
+        if not overwrite:
+            wipe(store)
+        args = [*JOB, "--out", url, *(["--overwrite"] if overwrite else [])]
+        assert fork_run(args, before=before) == -signal.SIGKILL, f"the kill at {name} did not land"
+        if overwrite:
+            assert "zarr.json" not in keys(store), "an interrupted overwrite left a store that opens"
+        rerun(name)
+    print(f"s3 kill storm: {len(points)} spread over {len(writes)} writes + {len(TARGETED)} targeted: all equal")
+
+
+def meet_at_the_lock(ready: int, go: int):
+    """For ``before``: the first try to create the lock object says so on the pipe ``ready``, then waits
+    for a byte on the pipe ``go``, so that two jobs make their conditional creates at the same instant."""
+    original = object_lock._put
+
+    def put(store, key, record, mode):
+        if mode == "create" and not getattr(put, "waited", False):
+            put.waited = True
+            os.write(ready, b".")
+            os.read(go, 1)
+        return original(store, key, record, mode)
+
+    return lambda: setattr(object_lock, "_put", put)
+
+
+def race(prefix: str) -> None:
+    work = Path(tempfile.mkdtemp(prefix="s3-race-"))
+    url = f"s3://{BUCKET}/{prefix}/race.zarr"
+    longer = [*JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
+    ready_read, ready = os.pipe()
+    go, go_write = os.pipe()
+    try:
+        pids = {name: fork_start([*longer, "--out", url], meet_at_the_lock(ready, go), stderr=work / f"{name}.err")
+                for name in ("first", "second")}  # fmt: skip
+        arrived = b""
+        while len(arrived) < len(pids):
+            assert select.select([ready_read], [], [], EXIT_TIMEOUT)[0], "the jobs did not reach the lock"
+            arrived += os.read(ready_read, len(pids))
+        os.write(go_write, b"." * len(pids))
+    finally:
+        for fd in (ready_read, ready, go, go_write):
+            os.close(fd)
+    results = {name: (fork_wait(pid), (work / f"{name}.err").read_text()) for name, pid in pids.items()}
+    winners = [name for name, (code, _) in results.items() if code == 0]
+    assert len(winners) == 1, results
+    (loser,) = set(results) - set(winners)
+    code, err = results[loser]
+    lines = [line for line in err.splitlines() if line.startswith("extract: error")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "being written by another job" in lines[0] and f"pid {pids[winners[0]]}" in lines[0], lines[0]
+    assert not lock_exists(f"{prefix}/race.zarr")
+    print(f"s3 race: {winners[0]} ran; {loser}: {lines[0]}")
+
+
+if __name__ == "__main__":
+    {"storm": storm, "race": race}[sys.argv[1]](sys.argv[2])
