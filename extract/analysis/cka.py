@@ -33,6 +33,8 @@ import torch
 
 from ..errors import ExtractError
 from ..read.features import Features
+from ..store import objects
+from ..store.location import LocationError, is_url, one_line, open_store
 from .samples import (
     UnusableLayerError,
     default_pool,
@@ -262,15 +264,31 @@ def minibatch_cka(
 
 
 def parse_target(text: str) -> tuple[str, list[str] | None]:
-    """``STORE`` or ``STORE:L1,L2`` (names or globs): the store is the longest prefix that is a directory,
-    so layer names may themselves hold a colon (``blocks.0:0``)."""
-    if Path(text).is_dir():
+    """``STORE`` or ``STORE:L1,L2`` (names or globs): the store is the first prefix that is a directory,
+    or on object storage (``s3://bucket/x.zarr:L1``) a prefix holding objects, so layer names may
+    themselves hold a colon (``blocks.0:0``)."""
+    if _is_store(text):
         return text, None
-    for at in [i for i, c in enumerate(text) if c == ":"]:
-        if Path(text[:at]).is_dir():
+    start = text.index("://") + 3 if is_url(text) else 0  # the scheme's colon is no layer list's
+    for at in [i for i, c in enumerate(text) if c == ":" and i >= start]:
+        if _is_store(text[:at]):
             layers = [name for name in text[at + 1 :].split(",") if name]
             return text[:at], layers or None
     raise ExtractError(f"{text}: no such store (write STORE or STORE:LAYER,LAYER)")
+
+
+def _is_store(text: str) -> bool:
+    """Whether ``text`` names a directory, or a URL a prefix with objects in it (one delimited listing)."""
+    if not is_url(text):
+        return Path(text).is_dir()
+    try:
+        return bool(objects.children(open_store(text, read_only=True), ""))
+    except LocationError:  # not a store URL as a whole: perhaps a prefix of it is
+        return False
+    except ExtractError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the object store's own errors (credentials, network): one line
+        raise ExtractError(f"{text}: cannot list it ({one_line(e)})") from None
 
 
 def side(features: Features, patterns: Sequence[str] | None, rows: np.ndarray, pool: str | None) -> Side:

@@ -35,6 +35,7 @@ from PIL import Image
 
 from ..errors import ExtractError
 from ..read.features import Features
+from ..store.location import parse
 from . import figures
 from .cka import Side, keys_and_classes, usable_cka
 from .images import SampleImages, sample_images
@@ -282,7 +283,7 @@ def build_report(store: str | Path, config: ReportConfig | None = None) -> Repor
         rows = np.sort(np.random.default_rng((config.seed, 5)).choice(valid, config.max_samples, replace=False))
     attrs = features.attrs
     report = Report(
-        f"extract report: {Path(store).name}",
+        f"extract report: {parse(store).name}",
         [("store", str(store)), ("model", str(attrs.get("model"))), ("weights", str(attrs.get("weights"))),
          ("dataset", str(attrs.get("dataset"))), ("samples", f"{features.num_samples} ({len(rows)} used here)"),
          ("layers", ", ".join(layers))],

@@ -2,7 +2,8 @@
 
 One summary line; exit status 0 when clean, 1 when damaged, 2 for bad input. A store that a live job
 holds is refused, naming its holder (its objects being written would read as damage); ``--repair``
-takes the store's lock for the same reason.
+takes the store's lock for the same reason. STORE is a path or a URL on object storage
+(``s3://bucket/prefix/name.zarr``), whose lock is the object beside it (``object_lock.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import StoreDamagedError
-from ..store.lock import StoreLock, check_unlocked
+from ..store import lock, object_lock
+from ..store.location import parse
 from ..store.store import FeatureStore, real_path
 from ..store.verify import repair, verify
 from .base import command
@@ -24,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m extract.verify",
         description="Check a store's chunks: ``python -m extract.verify STORE [--repair]``.",
     )
-    parser.add_argument("store", type=Path)
+    parser.add_argument("store", help="a store: a path, or a URL on object storage (s3://bucket/prefix/name.zarr)")
     parser.add_argument("--repair", action="store_true", help="clear done for damaged chunks so a rerun redoes them")
     return parser
 
@@ -32,16 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
 @command("extract.verify")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.store = real_path(args.store)  # through a link too: the lock is named for the real path
-    check_unlocked(args.store)
+    location = parse(args.store)  # a malformed URL is one line (exit 2)
+    target: Path | str
+    holder: Any
+    if location.remote:  # its lock is an object beside it, made of conditional writes
+        assert location.url is not None
+        target, holder = location.url, object_lock.ObjectStoreLock
+        object_lock.check_unlocked(target)
+    else:  # through a link too: the lock is named for the real path
+        assert location.path is not None
+        target, holder = real_path(location.path), lock.StoreLock
+        lock.check_unlocked(target)
     try:
         if args.repair:
-            with StoreLock(args.store):
-                store = FeatureStore.open(args.store, mode="r+")
+            with holder(target):
+                store = FeatureStore.open(target, mode="r+")
                 found = verify(store)
                 report = repair(store, found)
         else:
-            report = found = verify(FeatureStore.open(args.store, mode="r"))
+            report = found = verify(FeatureStore.open(target, mode="r"))
     except StoreDamagedError as e:  # damage found on opening (metadata): a finding, not bad input
         print(f"extract.verify: {e}")
         return 1

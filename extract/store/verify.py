@@ -25,6 +25,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from .chunks import Plan
+from .location import is_url
 from .schema import fingerprint, identity_digests
 from .store import FeatureStore
 
@@ -33,7 +34,7 @@ UNPLACED = "not the object written for this chunk (swapped, copied or stale)"
 
 @dataclass
 class Report:
-    path: Path
+    path: Path | str  # a URL for a store on object storage
     num_chunks: int
     done: int  # chunks marked done
     complete: bool  # the store's status says so
@@ -131,7 +132,10 @@ def _chunk_problems(store: FeatureStore, plan: Plan, chunks: list[int]) -> dict[
         for k in chunks
     ]
     found: dict[int, list[str]] = {}
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="extract-verify") as pool:
+    threads = min(8, os.cpu_count() or 1)  # on disk decoding is the cost; on object storage, latency
+    if is_url(store.path):
+        threads = max(threads, int(zarr.config.get("async.concurrency") or 1))
+    with ThreadPoolExecutor(threads, thread_name_prefix="extract-verify") as pool:
         problems = pool.map(lambda item: _problem(item[1], item[2], item[3], stored[item[0]]), work)
         for (name, _, _, k), problem in zip(work, problems, strict=True):
             if problem is not None:
