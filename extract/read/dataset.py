@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from ..store.location import is_url
+from ..store.location import check_not_forked, is_url
 from .features import Features, open_features
 
 Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
@@ -86,6 +86,8 @@ class FeatureDataset(Dataset):
         return (values[self.layers[0]] if self.single else values), int(labels[row])
 
     def _read_chunk(self, chunk: int) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        if is_url(self.path):
+            check_not_forked(str(self.path))
         if self._features is None:
             self._features = open_features(self.path, allow_partial=self.allow_partial)
         start = chunk * self.chunk_size

@@ -184,10 +184,31 @@ def _s3_options() -> tuple[dict[str, Any], dict[str, Any]]:
     return config, client
 
 
+class ForkedAfterObjectStorageError(ExtractError, RuntimeError):
+    """Object storage was used in a process forked from one that had used it: obstore's runtime does
+    not survive ``fork`` (its first request would hang), so the use is refused instead."""
+
+
+_used_in: int | None = None  # the process whose obstore runtime is live (inherited by a fork)
+
+
+def check_not_forked(url: str) -> None:
+    """Raise ``ForkedAfterObjectStorageError`` in a process forked from one that used object storage
+    (a DataLoader worker started with ``fork``, Linux's default before Python 3.14)."""
+    if _used_in is not None and _used_in != os.getpid():
+        raise ForkedAfterObjectStorageError(
+            f"{url}: this process was forked from one that had used object storage, and obstore cannot "
+            "make requests after a fork; pass multiprocessing_context='spawn' (or 'forkserver') to the DataLoader"
+        )
+
+
 def object_store(url: str, *, retry_timeout: float | None = None, request_timeout: float | None = None) -> Any:
     """An ``obstore`` store rooted at ``url`` (its key is the store's prefix), configured from the
     environment, retrying transient errors (``retry_config``); ``request_timeout`` caps each try
     (obstore's default otherwise)."""
+    global _used_in
+    check_not_forked(url)
+    _used_in = _used_in or os.getpid()
     try:
         from obstore.store import from_url
     except ImportError:
