@@ -156,3 +156,16 @@ def test_token_stream_reads_a_url_as_the_path(tmp_path, s3):
     for (a, rows_a), (b, rows_b) in zip(*batches, strict=True):
         assert torch.equal(rows_a, rows_b) and torch.equal(a, b)
         np.testing.assert_array_equal(b.numpy(), stored[rows_b.numpy()])
+
+
+def test_a_forked_dataloader_worker_is_refused_in_one_line_not_left_hanging(stores):
+    """obstore's runtime does not survive fork: a worker forked after this process read the store
+    would hang on its first request; it is refused, naming the fix."""
+    from extract.store.location import ForkedAfterObjectStorageError
+
+    _, url = stores
+    dataset = FeatureDataset(url, "fc")
+    dataset[40]  # this process has used object storage (and caches chunk 10, not the worker's chunk 0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(ForkedAfterObjectStorageError, match="multiprocessing_context='spawn'"):
+        next(iter(loader))
