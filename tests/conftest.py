@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from faultproxy import fault_proxy  # noqa: F401  (fixture: a fault-injecting proxy in front of the S3 server)
 from PIL import Image
 from s3 import s3, s3_server  # noqa: F401  (fixtures: moto's S3 server on loopback, a prefix per test)
 

@@ -148,3 +148,43 @@ def test_kill_storm_on_s3(s3):
 
 def test_two_jobs_started_together_on_one_s3_path_one_runs(s3):
     assert "ran;" in _forked(s3, "race")
+
+
+def test_a_job_retries_through_a_short_outage_and_stops_cleanly_after_a_long_one(
+    s3, fault_proxy, on_disk, cli, monkeypatch
+):
+    """Through the fault proxy: 503s and resets on chunk PUTs for a while are retried, and the store
+    equals the job on disk; an outage past EXTRACT_OBJECT_RETRY_TIMEOUT stops the job with one line
+    naming the object (exit 1), nothing is marked done that was not written, and a rerun completes."""
+    for variable, value in fault_proxy.env().items():
+        monkeypatch.setenv(variable, value)
+    chunk_puts = lambda method, path: method == "PUT" and "/c/" in path  # noqa: E731
+    url = s3.url("flaky.zarr")
+    fault_proxy.fail("503", requests=6, match=chunk_puts)
+    code, _, err = cli(*JOB, "--out", url)
+    assert code == 0 and fault_proxy.counts.faults["503"] == 6, err
+    fault_proxy.fail("reset", requests=3, match=chunk_puts)
+    code, _, err = cli(*JOB, "--out", url, "--overwrite")
+    assert code == 0 and fault_proxy.counts.faults["reset"] >= 1, err
+    local = zarr.open_group(on_disk, mode="r")
+    for name in ("features/heads.conv", "labels", "valid", "keys", "done"):
+        np.testing.assert_array_equal(
+            zarr.open_group(open_store(url, read_only=True), mode="r")[name][:], local[name][:]
+        )
+
+    monkeypatch.setenv("EXTRACT_OBJECT_RETRY_TIMEOUT", "1")
+    url = s3.url("outage.zarr")
+    fault_proxy.fail("503", match=lambda method, path: method == "PUT" and "/heads.conv/c/6/" in path)  # until passed
+    code, _, err = cli(*JOB, "--out", url)
+    line = _one_line(err)
+    assert code == 1 and "object storage" in line and "heads.conv/c/6/" in line and "rerun redoes" in line, err
+    fault_proxy.pass_through()
+    stored = zarr.open_group(open_store(url, read_only=True), mode="r")
+    done = np.flatnonzero(stored["done"][:])
+    assert 6 not in done and len(done) >= 1
+    features, expected = stored["features/heads.conv"][:], local["features/heads.conv"][:]
+    for chunk in done:  # a chunk marked done holds its features
+        np.testing.assert_array_equal(features[chunk * 4 : chunk * 4 + 4], expected[chunk * 4 : chunk * 4 + 4])
+    code, _, err = cli(*JOB, "--out", url)
+    assert code == 0, err
+    np.testing.assert_array_equal(open_features(url).load("heads.conv"), expected)
