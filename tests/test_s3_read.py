@@ -4,6 +4,7 @@ xarray, ``verify`` (clean, then a deleted and a garbage chunk object, named and 
 and ``compare``."""
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -167,5 +168,10 @@ def test_a_forked_dataloader_worker_is_refused_in_one_line_not_left_hanging(stor
     dataset = FeatureDataset(url, "fc")
     dataset[40]  # this process has used object storage (and caches chunk 10, not the worker's chunk 0)
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1, multiprocessing_context="fork")
+    batches = iter(loader)
     with pytest.raises(ForkedAfterObjectStorageError, match="multiprocessing_context='spawn'"):
-        next(iter(loader))
+        next(batches)
+    started = time.monotonic()
+    batches._shutdown_workers()  # what its __del__ does, here rather than in whichever thread collects it
+    assert time.monotonic() - started < 10  # the refused worker exits: nothing is left hanging
+    assert not any(worker.is_alive() for worker in batches._workers)

@@ -18,9 +18,9 @@ from zarr.buffer.cpu import NDBuffer
 
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
-from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
+from ..errors import ExtractError, LayerNotFoundError, ObjectStorageError, SampleIndexError, StoreDamagedError
 from ..store.chunks import Plan
-from ..store.location import is_url
+from ..store.location import from_object_storage, is_url, one_line
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore, decodes
@@ -362,14 +362,16 @@ class Features:
         """``read()``, unless a done chunk among ``chunks`` of array ``name`` is missing or fails its
         checksum: then an error naming ``what`` and the chunk, instead of NaN rows or a codec trace."""
         chunks = list(chunks)
-        for k in chunks:
-            if self._done[k] and name in self._lost.get(k, ()):
-                raise self._damaged(what, k, "is missing")
         try:
+            for k in chunks:
+                if self._done[k] and name in self._lost.get(k, ()):
+                    raise self._damaged(what, k, "is missing")
             return read()
         except ExtractError:
             raise
         except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
+            if from_object_storage(e):  # an outage past the retries: not damage
+                raise ObjectStorageError(f"{self.path}: object storage: {one_line(e)}") from None
             array = self.store.array(name)
             bad = next(
                 (k for k in chunks if not decodes(array, *Plan(self.num_samples, self.chunk_size).bounds(k))), None

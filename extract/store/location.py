@@ -269,9 +269,12 @@ def lock_object(location: Location, *, timeout: float | None = None) -> tuple[An
 
 
 def one_line(error: BaseException) -> str:
-    """The first line of an obstore error (they carry a multi-line debug dump of the request)."""
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    """The first line of an obstore error (they carry a multi-line debug dump of the request), with the
+    operating system's reason from the dump when the first line hides it ("error sending request")."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    reasons = re.findall(r'message: "([^"\n]+)"', text)
+    return f"{first} ({reasons[-1]})" if reasons and reasons[-1] not in first else first
 
 
 def from_object_storage(error: BaseException) -> bool:

@@ -208,15 +208,25 @@ class ObjectStoreLock:
 
     def __enter__(self) -> ObjectStoreLock:
         _, errors = _obstore()
-        try:
-            for _ in range(3):
+        # obstore does not retry a conditional PUT whose connection was reset (it is not idempotent), so
+        # the claim is tried again here: a create that landed is recognised by its token (``_claim``).
+        deadline, changed = time.monotonic() + max(5.0, self.stale_after / 3), 0
+        while changed < 3:
+            try:
                 if self._claim():
                     self._thread.start()
                     return self
-        except (errors.PermissionDeniedError, errors.UnauthenticatedError) as e:
-            raise LockUnavailable(f"--out {self.store}: cannot create the lock {self.path} ({one_line(e)})") from None
-        except errors.BaseError as e:
-            raise _failed(f"--out {self.store}: cannot create the lock {self.path}", e) from None
+                changed += 1
+            except (errors.PermissionDeniedError, errors.UnauthenticatedError) as e:
+                raise LockUnavailable(
+                    f"--out {self.store}: cannot create the lock {self.path} ({one_line(e)})"
+                ) from None
+            except errors.GenericError as e:  # a reset or an outage past obstore's own retries
+                if time.monotonic() > deadline:
+                    raise _failed(f"--out {self.store}: cannot create the lock {self.path}", e) from None
+                time.sleep(0.2)
+            except errors.BaseError as e:
+                raise _failed(f"--out {self.store}: cannot create the lock {self.path}", e) from None
         raise StoreBusyError(f"--out {self.store}: could not take the lock {self.path} from a stale holder; rerun")
 
     def _claim(self) -> bool:

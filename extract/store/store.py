@@ -25,11 +25,11 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
-from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
+from ..errors import ExtractError, ObjectStorageError, StoreDamagedError, StoreNotFoundError
 from . import objects, remote, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, lost_lock, writer_of
-from .location import is_url, open_store
+from .location import from_object_storage, is_url, one_line, open_store
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
 from .stats import STATS
 
@@ -490,7 +490,17 @@ class FeatureStore:
 
     @classmethod
     def _open_remote(cls, url: str, mode: str, writer: str | None) -> FeatureStore:
-        """A store on object storage, opened through zarr's ``ObjectStore`` (``location.py``)."""
+        """A store on object storage, opened through zarr's ``ObjectStore`` (``location.py``); an outage
+        past the retries is an ``ObjectStorageError`` naming the request."""
+        try:
+            return cls._open_remote_store(url, mode, writer)
+        except Exception as e:
+            if not from_object_storage(e):
+                raise
+            raise ObjectStorageError(f"{url}: object storage: {one_line(e)}") from None
+
+    @classmethod
+    def _open_remote_store(cls, url: str, mode: str, writer: str | None) -> FeatureStore:
         location: Any = open_store(url, read_only=mode == "r")
         data = objects.read(location, METADATA)
         attrs = None if data is None else _decoded_attrs(data, f"{url}/{METADATA}", damaged=True)
