@@ -152,7 +152,7 @@ def requests_per_chunk(endpoint: str, samples: int, chunk_size: int) -> dict[str
 def write_extract(url: str, values: np.ndarray, chunks: int, threads: int) -> float:
     """Seconds for ``chunks`` whole chunks of ``values`` through ``FeatureStore.write_chunk``."""
     rows = len(values)
-    store = FeatureStore.create(
+    FeatureStore.create(
         url, shapes={"x": values.shape[1:]}, num_samples=rows * chunks, chunk_size=rows, dtype="float16",
         compressor="none", attrs={"writer": "bench"},
     )  # fmt: skip
@@ -191,11 +191,17 @@ def put_plain(url: str, sizes: list[int], limit: int) -> float:
     return time.perf_counter() - started
 
 
-def read_extract(url: str) -> float:
+def read_extract(url: str, dtype: str | None) -> tuple[float, float]:
+    """Seconds for ``Features.load`` of the whole layer, first on a fresh ``open_features`` (which also
+    reads the done flags and lists the objects once, for the damage checks), then again. ``dtype=None``
+    keeps float16 (the bytes as a plain GET has them), ``"float32"`` is ``load``'s default."""
     features = open_features(url)
-    started = time.perf_counter()
-    features.load("x")
-    return time.perf_counter() - started
+    seconds = []
+    for _ in range(2):
+        started = time.perf_counter()
+        features.load("x", dtype=dtype)
+        seconds.append(time.perf_counter() - started)
+    return seconds[0], seconds[1]
 
 
 def get_plain(url: str, keys: list[str], limit: int) -> float:
@@ -221,6 +227,33 @@ def delete_prefix(url: str) -> None:
         obstore.delete(store, keys)
 
 
+def one_repeat(
+    repeat: int, values: np.ndarray, chunks: int, threads: int, concurrency: int, times: dict[str, list[float]]
+) -> None:
+    """Each write variant, then each read, into fresh prefixes, the order rotating with ``repeat``."""
+    base = f"s3://{BUCKET}/tp-{uuid.uuid4().hex[:8]}"
+    ours, plain = f"{base}/ours.zarr", f"{base}/plain"
+    writes = [
+        lambda: times["write extract"].append(write_extract(ours, values, chunks, threads)),
+        lambda: times["write plain"].append(put_plain(plain, [values.nbytes] * chunks, threads)),
+    ]
+    for write in writes if repeat % 2 == 0 else writes[::-1]:
+        write()
+    keys = sorted(chunk_objects(listing(ours)))
+    assert len(keys) == chunks, keys
+
+    def ours_read() -> None:
+        first, again = read_extract(ours, None)
+        times["read extract"].append(first)
+        times["read extract again"].append(again)
+        times["read extract f32"].append(read_extract(ours, "float32")[1])
+
+    reads = [ours_read, lambda: times["read plain"].append(get_plain(ours, keys, concurrency))]
+    for read in reads if repeat % 2 == 0 else reads[::-1]:
+        read()
+    delete_prefix(base)
+
+
 def throughput(endpoint: str, chunk_mib: float, chunks: int, threads: int, repeats: int) -> dict[str, Any]:
     import zarr
 
@@ -230,24 +263,11 @@ def throughput(endpoint: str, chunk_mib: float, chunks: int, threads: int, repea
     values = np.random.default_rng(0).standard_normal((rows, *shape)).astype(np.float16)
     payload = chunks * values.nbytes
     concurrency = zarr.config.get("async.concurrency")
-    times: dict[str, list[float]] = {k: [] for k in ("write extract", "write plain", "read extract", "read plain")}
+    names = ("write extract", "write plain", "read extract", "read extract again",
+             "read extract f32", "read plain")  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in names}
     for repeat in range(repeats):
-        base = f"s3://{BUCKET}/tp-{uuid.uuid4().hex[:8]}"
-        ours, plain = f"{base}/ours.zarr", f"{base}/plain"
-        order = [0, 1] if repeat % 2 == 0 else [1, 0]
-        for which in order:
-            if which == 0:
-                times["write extract"].append(write_extract(ours, values, chunks, threads))
-            else:
-                times["write plain"].append(put_plain(plain, [values.nbytes] * chunks, threads))
-        keys = sorted(chunk_objects(listing(ours)))
-        assert len(keys) == chunks, keys
-        for which in order:
-            if which == 0:
-                times["read extract"].append(read_extract(ours))
-            else:
-                times["read plain"].append(get_plain(ours, keys, concurrency))
-        delete_prefix(base)
+        one_repeat(repeat, values, chunks, threads, concurrency, times)
     medians = {k: statistics.median(v) for k, v in times.items()}
     mb_s = {k: payload / v / 1e6 for k, v in medians.items()}
     return {
@@ -307,10 +327,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r = throughput(endpoint, mib, args.chunks, threads, args.repeats)
                 rates.append(r)
                 m = r["mb_per_s"]
-                print(f"  {r['chunk_mib']:5.1f} MiB chunks x {r['chunks']}, {threads} threads: "
-                      f"write {m['write extract']:6.1f} vs {m['write plain']:6.1f} ({r['write_ratio']:.2f}x); "
-                      f"read {m['read extract']:6.1f} vs {m['read plain']:6.1f} ({r['read_ratio']:.2f}x, "
-                      f"{r['read_concurrency']} at once)", flush=True)  # fmt: skip
+                print(f"  {r['chunk_mib']:5.1f} MiB chunks x {r['chunks']}, {threads} threads: write "
+                      f"{m['write extract']:6.1f} vs plain {m['write plain']:6.1f} ({r['write_ratio']:.2f}x); read {m['read extract']:6.1f}, again "
+                      f"{m['read extract again']:6.1f}, again as float32 {m['read extract f32']:6.1f} vs plain "
+                      f"{m['read plain']:6.1f} ({r['read_ratio']:.2f}x; {r['read_concurrency']} at once)", flush=True)  # fmt: skip
     finally:
         server.kill()
         server.wait()

@@ -148,18 +148,43 @@ def test_writer_error_stops_the_run_and_marks_nothing_done(tmp_path, monkeypatch
     staging = HostStaging({"a": (2,)}, 3, torch.float32, torch.device("cpu"), slots=2)
     writer = ChunkWriter(store, staging, Plan(10, 4), {"a": (2,)}, threads=1)
     real = store.array("features/a")
+    from zarr.storage import LocalStore
 
-    class Broken:
-        def __setitem__(self, key, value):
+    original = LocalStore.set
+
+    async def full_disk(self, key, value):  # the disk fills up at the first chunk object of layer a
+        if key.startswith("features/a/c"):
             raise OSError(28, "No space left on device")
+        await original(self, key, value)
 
-    monkeypatch.setitem(store._arrays, "features/a", Broken())
+    monkeypatch.setattr(LocalStore, "set", full_disk)
     with pytest.raises(WriterError, match="No space left"):
         _feed(writer, staging, list(range(10)))
         writer.close()
     writer.abort()
     assert not store.array("done")[:].any()
     assert np.isnan(real[:]).all()
+
+
+def test_a_fenced_store_measures_its_size_from_the_listing_without_reading_an_object(tmp_path, monkeypatch):
+    """The job's summary asks ``stored_bytes`` of its fenced store; zarr's ``WrapperStore`` would measure
+    each object by reading it whole (a 1.5 TB store read back at the end of the job)."""
+    from zarr.storage import LocalStore
+
+    _store(tmp_path).update_attrs(writer="job")
+    store = FeatureStore.open(tmp_path / "s.zarr", writer="job")
+    store.write_chunk(0, 0, 4, {"a": np.ones((4, 2), np.float32)}, np.zeros(4, np.int64), np.ones(4, bool))
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "s.zarr" / "features").rglob("*") if f.is_file())
+    reads = []
+    original = LocalStore.get
+
+    async def counted(self, key, *args, **kwargs):
+        reads.append(key)
+        return await original(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "get", counted)
+    assert store.stored_bytes() == on_disk
+    assert reads == []
 
 
 def test_a_launcher_world_the_state_does_not_see_is_refused(monkeypatch):

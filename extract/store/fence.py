@@ -65,6 +65,14 @@ class FencedStore(WrapperStore[Store]):
         if writer_of(None if metadata is None else metadata.to_bytes()) != self.token:
             raise lost_lock(self.path)
 
+    # zarr 3.1's WrapperStore does not pass these on: the base Store's would GET every object in full
+    # to measure it (the job's summary would read back the whole store).
+    async def getsize(self, key: str) -> int:
+        return await self._store.getsize(key)
+
+    async def getsize_prefix(self, prefix: str) -> int:
+        return await self._store.getsize_prefix(prefix)
+
     async def set(self, key: str, value: Buffer) -> None:
         await self.check()
         await self._store.set(key, value)
