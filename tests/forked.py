@@ -85,3 +85,49 @@ def die_after(target, name: str, when=lambda *a, **k: True) -> Callable[[], None
         return result
 
     return lambda: setattr(target, name, dying)
+
+
+def meet_at(target, name: str, ready: int, go: int, when=lambda *a, **k: True) -> Callable[[], None]:
+    """For ``before``: the first matching call of ``target.name`` says so on the pipe ``ready``, then
+    waits for a byte on the pipe ``go`` (``started_together`` lets every child go at once)."""
+    original = getattr(target, name)
+    waited = []
+
+    def meeting(*args, **kwargs):
+        if not waited and when(*args, **kwargs):
+            waited.append(True)
+            os.write(ready, b".")
+            os.read(go, 1)
+        return original(*args, **kwargs)
+
+    return lambda: setattr(target, name, meeting)
+
+
+def started_together(jobs: dict, target, name: str, work, when=lambda *a, **k: True) -> dict:
+    """Fork each of ``jobs`` (name -> CLI args), hold every one at its first matching call of
+    ``target.name`` until all are there, then let them go at the same instant (two jobs claiming one
+    store's lock together); per job, (pid, exit code, its stderr), its stderr kept in ``work``."""
+    ready_read, ready = os.pipe()
+    go, go_write = os.pipe()
+    try:
+        pids = {
+            job: fork_start(args, meet_at(target, name, ready, go, when), stderr=work / f"{job}.err")
+            for job, args in jobs.items()
+        }
+        arrived = b""
+        while len(arrived) < len(pids):
+            assert select.select([ready_read], [], [], EXIT_TIMEOUT)[0], "the jobs did not reach the meeting point"
+            arrived += os.read(ready_read, len(pids))
+        os.write(go_write, b"." * len(pids))
+    finally:
+        for fd in (ready_read, ready, go, go_write):
+            os.close(fd)
+    return {job: (pid, fork_wait(pid), (work / f"{job}.err").read_text()) for job, pid in pids.items()}
+
+
+def the_one_that_ran(results: dict) -> tuple[str, str]:
+    """(winner, loser) of two jobs ``started_together``: exactly one exited 0."""
+    winners = [job for job, (_, code, _) in results.items() if code == 0]
+    assert len(winners) == 1, results
+    (loser,) = set(results) - set(winners)
+    return winners[0], loser

@@ -20,7 +20,6 @@ exactly one runs, the other stops with one line naming the holder.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import zarr
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait  # noqa: E402
+from forked import die_after, die_on, fork_run, started_together, the_one_that_ran  # noqa: E402
 
 from extract.store import object_lock, remote  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
@@ -193,48 +192,20 @@ def storm(prefix: str) -> None:
     print(f"s3 kill storm: {len(points)} spread over {len(writes)} writes + {len(TARGETED)} targeted: all equal")
 
 
-def meet_at_the_lock(ready: int, go: int):
-    """For ``before``: the first try to create the lock object says so on the pipe ``ready``, then waits
-    for a byte on the pipe ``go``, so that two jobs make their conditional creates at the same instant."""
-    original = object_lock._put
-
-    def put(store, key, record, mode):
-        if mode == "create" and not getattr(put, "waited", False):
-            put.waited = True
-            os.write(ready, b".")
-            os.read(go, 1)
-        return original(store, key, record, mode)
-
-    return lambda: setattr(object_lock, "_put", put)
-
-
 def race(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-race-"))
     url = f"s3://{BUCKET}/{prefix}/race.zarr"
     longer = [*JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
-    ready_read, ready = os.pipe()
-    go, go_write = os.pipe()
-    try:
-        pids = {name: fork_start([*longer, "--out", url], meet_at_the_lock(ready, go), stderr=work / f"{name}.err")
-                for name in ("first", "second")}  # fmt: skip
-        arrived = b""
-        while len(arrived) < len(pids):
-            assert select.select([ready_read], [], [], EXIT_TIMEOUT)[0], "the jobs did not reach the lock"
-            arrived += os.read(ready_read, len(pids))
-        os.write(go_write, b"." * len(pids))
-    finally:
-        for fd in (ready_read, ready, go, go_write):
-            os.close(fd)
-    results = {name: (fork_wait(pid), (work / f"{name}.err").read_text()) for name, pid in pids.items()}
-    winners = [name for name, (code, _) in results.items() if code == 0]
-    assert len(winners) == 1, results
-    (loser,) = set(results) - set(winners)
-    code, err = results[loser]
+    jobs = {name: [*longer, "--out", url] for name in ("first", "second")}
+    creating = lambda store, key, record, mode: mode == "create"  # noqa: E731 - the lock's conditional create
+    results = started_together(jobs, object_lock, "_put", work, when=creating)
+    winner, loser = the_one_that_ran(results)
+    _, code, err = results[loser]
     lines = [line for line in err.splitlines() if line.startswith("extract: error")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "being written by another job" in lines[0] and f"pid {pids[winners[0]]}" in lines[0], lines[0]
+    assert "being written by another job" in lines[0] and f"pid {results[winner][0]}" in lines[0], lines[0]
     assert not lock_exists(f"{prefix}/race.zarr")
-    print(f"s3 race: {winners[0]} ran; {loser}: {lines[0]}")
+    print(f"s3 race: {winner} ran; {loser}: {lines[0]}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import io
 import itertools
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -20,9 +19,10 @@ import pytest
 import torch
 import zarr
 from conftest import ROOT, TINY
-from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait
+from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait, started_together, the_one_that_ran
 from launches import launcher, rank_pids
 
+import extract.store.lock
 from extract.cli.verify import main as verify_main
 from extract.errors import LockLostError, StoreDamagedError
 from extract.read.features import open_features
@@ -504,24 +504,6 @@ def test_verify_of_a_store_being_written_is_refused_naming_the_job(tmp_path):
 # --------------------------------------------------------------------------------- one job per store
 
 
-def _meet_at_the_lock(ready: int, go: int):
-    """For ``before``: the first attempt to create the lock says so on the pipe ``ready``, then waits
-    for a byte on the pipe ``go``, so that two jobs try to claim the store at the same instant."""
-    import extract.store.lock
-
-    original = extract.store.lock._create
-    waited = []
-
-    def create(path, record):
-        if not waited:
-            waited.append(True)
-            os.write(ready, b".")
-            os.read(go, 1)
-        return original(path, record)
-
-    return lambda: setattr(extract.store.lock, "_create", create)
-
-
 @pytest.mark.parametrize("second", ["same job", "other seed", "through a link"])
 def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     out = tmp_path / "race.zarr"
@@ -532,34 +514,17 @@ def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     if second == "through a link":  # one store by two names: one lock, race.zarr.lock
         (tmp_path / "link.zarr").symlink_to(out)
         jobs["second"] = [*longer, "--out", tmp_path / "link.zarr"]
-    ready_read, ready = os.pipe()
-    go, go_write = os.pipe()
-    try:
-        pids = {
-            name: fork_start(args, _meet_at_the_lock(ready, go), stderr=tmp_path / f"{name}.err")
-            for name, args in jobs.items()
-        }
-        arrived = b""
-        while len(arrived) < len(pids):  # both are at the lock: let them claim it together
-            assert select.select([ready_read], [], [], EXIT_TIMEOUT)[0], "the jobs did not reach the lock"
-            arrived += os.read(ready_read, len(pids))
-        os.write(go_write, b"." * len(pids))
-    finally:
-        for fd in (ready_read, ready, go, go_write):
-            os.close(fd)
-    results = {name: (fork_wait(pid), (tmp_path / f"{name}.err").read_text()) for name, pid in pids.items()}
-    winners = [name for name, (code, _) in results.items() if code == 0]
-    assert len(winners) == 1, results
-    (loser,) = set(results) - set(winners)
-    code, err = results[loser]
+    results = started_together(jobs, extract.store.lock, "_create", tmp_path)  # both claim the lock at once
+    winner, loser = the_one_that_ran(results)
+    _, code, err = results[loser]
     line = one_line_error(err)
-    assert code == 2 and "being written by another job" in line and f"pid {pids[winners[0]]}" in line
+    assert code == 2 and "being written by another job" in line and f"pid {results[winner][0]}" in line
     assert socket.gethostname() in line
     if second == "through a link":
         assert (tmp_path / "link.zarr").is_symlink()
         assert loser == "first" or f"link.zarr (resolves to {out}; the lock is {lock_path(out)})" in line
     expected = tmp_path / "expected.zarr"
-    assert fork_run([*jobs[winners[0]][:-2], "--out", expected]) == 0
+    assert fork_run([*jobs[winner][:-2], "--out", expected]) == 0
     group, clean = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
     assert group.attrs["fingerprint"] == clean.attrs["fingerprint"] and group.attrs["status"] == "complete"
     for name in ARRAYS:
