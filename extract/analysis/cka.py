@@ -34,7 +34,7 @@ import torch
 from ..errors import ExtractError
 from ..read.features import Features
 from ..store import objects
-from ..store.location import LocationError, is_url, one_line, open_store
+from ..store.location import LocationError, from_object_storage, is_url, one_line, open_store
 from .samples import (
     UnusableLayerError,
     default_pool,
@@ -287,8 +287,10 @@ def _is_store(text: str) -> bool:
         return False
     except ExtractError:
         raise
-    except Exception as e:  # noqa: BLE001 - the object store's own errors (credentials, network): one line
-        raise ExtractError(f"{text}: cannot list it ({one_line(e)})") from None
+    except Exception as e:
+        if not from_object_storage(e):
+            raise
+        raise ExtractError(f"{text}: cannot list it ({one_line(e)})") from None  # credentials, network
 
 
 def side(features: Features, patterns: Sequence[str] | None, rows: np.ndarray, pool: str | None) -> Side:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, ParamSpec
 
 from ..errors import ExtractError
-from ..store.location import from_object_storage, one_line
+from ..store.location import described, from_object_storage
 
 P = ParamSpec("P")
 # (the command's name, the exception) -> the exit status; the handler prints its own line, if any
@@ -60,7 +60,7 @@ def command(
             except Exception as e:
                 if not from_object_storage(e):
                     raise
-                say(prog, f"error: object storage: {one_line(e)}")  # the request, its object and its error
+                say(prog, f"error: {described(e)}")
                 return 1
 
         return run

@@ -18,7 +18,7 @@ from ..job.interrupt import Interrupted
 from ..job.launcher import is_first_rank, speaks_for_machine
 from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
-from ..store.location import from_object_storage, one_line
+from ..store.location import described, from_object_storage
 from ..store.schema import COMPRESSORS
 from ..store.writer import WriterError
 from .base import Failure, Parser, command, say
@@ -209,7 +209,7 @@ def _storage_failed(prog: str, e: Exception) -> int:
     """A request to object storage that failed past its retries (an outage), outside the writer."""
     if not from_object_storage(e):
         raise e
-    say(prog, f"error: object storage: {one_line(e)}; {UNMARKED}")
+    say(prog, f"error: {described(e)}; {UNMARKED}")
     return 1
 
 

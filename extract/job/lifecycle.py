@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, LockLostError, ObjectStorageError, StoreBusyError, StoreDamagedError, rebuilt
+from ..errors import ExtractError, LockLostError, StoreBusyError, StoreDamagedError, rebuilt
 from ..store.fence import lost_lock
-from ..store.location import from_object_storage, is_url, one_line
+from ..store.location import from_object_storage, is_url, storage_error
 from ..store.lock import LockUnavailable, StoreLock, lock_path
 from ..store.object_lock import ObjectStoreLock
 from ..store.store import (
@@ -74,7 +74,7 @@ class StoreLife:
             except Exception as e:
                 if not from_object_storage(e):
                     raise
-                failure = ObjectStorageError(f"--out {self.out}: object storage: {one_line(e)}")
+                failure = storage_error(f"--out {self.out}", e)
                 outcome = (None, (type(failure), str(failure)))
         if self.state.num_processes > 1:  # the type travels too: every rank raises what rank 0 raised
             box = [outcome]

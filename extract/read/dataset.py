@@ -86,8 +86,7 @@ class FeatureDataset(Dataset):
         return (values[self.layers[0]] if self.single else values), int(labels[row])
 
     def _read_chunk(self, chunk: int) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        if is_url(self.path):
-            check_not_forked(str(self.path))
+        check_not_forked(self.path)
         if self._features is None:
             self._features = open_features(self.path, allow_partial=self.allow_partial)
         start = chunk * self.chunk_size

@@ -18,9 +18,9 @@ from zarr.buffer.cpu import NDBuffer
 
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
-from ..errors import ExtractError, LayerNotFoundError, ObjectStorageError, SampleIndexError, StoreDamagedError
+from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
 from ..store.chunks import Plan
-from ..store.location import from_object_storage, is_url, one_line
+from ..store.location import from_object_storage, is_url, storage_error
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore, decodes
@@ -371,7 +371,7 @@ class Features:
             raise
         except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
             if from_object_storage(e):  # an outage past the retries: not damage
-                raise ObjectStorageError(f"{self.path}: object storage: {one_line(e)}") from None
+                raise storage_error(str(self.path), e) from None
             array = self.store.array(name)
             bad = next(
                 (k for k in chunks if not decodes(array, *Plan(self.num_samples, self.chunk_size).bounds(k))), None

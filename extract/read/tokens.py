@@ -17,7 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ExtractError
 from ..store.chunks import Plan
-from ..store.location import check_not_forked, is_url
+from ..store.location import check_not_forked
 from .dataset import _rank_and_world_size
 from .features import Features, _read, open_features
 
@@ -193,8 +193,7 @@ class TokenStream(IterableDataset):
         self.epoch = epoch
 
     def _open(self) -> Features:
-        if is_url(self.path):
-            check_not_forked(str(self.path))
+        check_not_forked(self.path)
         if self._features is None:
             self._features = open_features(self.path)
         return self._features

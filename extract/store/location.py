@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..errors import ExtractError
+from ..errors import ExtractError, ObjectStorageError
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -192,10 +192,12 @@ class ForkedAfterObjectStorageError(ExtractError, RuntimeError):
 _used_in: int | None = None  # the process whose obstore runtime is live (inherited by a fork)
 
 
-def check_not_forked(url: str) -> None:
-    """Raise ``ForkedAfterObjectStorageError`` in a process forked from one that used object storage
-    (a DataLoader worker started with ``fork``, Linux's default before Python 3.14)."""
-    if _used_in is not None and _used_in != os.getpid():
+def check_not_forked(store: str | os.PathLike[str]) -> None:
+    """Raise ``ForkedAfterObjectStorageError`` when ``store`` is on object storage and this process was
+    forked from one that used it (a DataLoader worker started with ``fork``, Linux's default before
+    Python 3.14). A path is never refused: only obstore's runtime is lost in a fork."""
+    url = str(store)
+    if is_url(url) and _used_in is not None and _used_in != os.getpid():
         raise ForkedAfterObjectStorageError(
             f"{url}: this process was forked from one that had used object storage, and obstore cannot "
             "make requests after a fork; pass multiprocessing_context='spawn' (or 'forkserver') to the DataLoader"
@@ -275,6 +277,16 @@ def one_line(error: BaseException) -> str:
     first = text.splitlines()[0] if text else type(error).__name__
     reasons = re.findall(r'message: "([^"\n]+)"', text)
     return f"{first} ({reasons[-1]})" if reasons and reasons[-1] not in first else first
+
+
+def described(error: BaseException) -> str:
+    """obstore's ``error`` in one line, said to be object storage's (the request, its object, the reason)."""
+    return f"object storage: {one_line(error)}"
+
+
+def storage_error(where: str, error: BaseException) -> ObjectStorageError:
+    """obstore's ``error`` (an outage past the retries, a refused credential) as extract's, naming ``where``."""
+    return ObjectStorageError(f"{where}: {described(error)}")
 
 
 def from_object_storage(error: BaseException) -> bool:

@@ -25,11 +25,11 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
-from ..errors import ExtractError, ObjectStorageError, StoreDamagedError, StoreNotFoundError
+from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
 from . import objects, remote, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, lost_lock, writer_of
-from .location import from_object_storage, is_url, one_line, open_store
+from .location import from_object_storage, is_url, open_store, storage_error
 from .schema import FORMAT, FORMAT_VERSION, KNOWN_FORMAT_VERSIONS, STRINGS, checked, codecs, identity_digests
 from .stats import STATS
 
@@ -497,7 +497,7 @@ class FeatureStore:
         except Exception as e:
             if not from_object_storage(e):
                 raise
-            raise ObjectStorageError(f"{url}: object storage: {one_line(e)}") from None
+            raise storage_error(url, e) from None
 
     @classmethod
     def _open_remote_store(cls, url: str, mode: str, writer: str | None) -> FeatureStore:

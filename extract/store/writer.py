@@ -14,15 +14,13 @@ import torch
 from ..capture.staging import HostStaging, Slot
 from ..errors import LockLostError
 from .chunks import Plan, chunk_segments
-from .location import from_object_storage, one_line
+from .location import described, from_object_storage
 from .store import FeatureStore
 
 
 def _described(error: BaseException) -> str:
     """One line: obstore's errors carry a many-line dump of the request after their first line."""
-    if from_object_storage(error):
-        return f"object storage: {one_line(error)}"
-    return repr(error)
+    return described(error) if from_object_storage(error) else repr(error)
 
 
 class WriterError(RuntimeError):
