@@ -171,6 +171,11 @@ class StoreLife:
         store = FeatureStore.open(self.out, mode="r")  # validates the metadata
         missing = store.missing_objects()
         pending = store.pending_chunks() if action == "complete" else []
+        documents = store.document_damage() if action == "complete" else []
+        if documents and not self.read_only:  # the text stage surveyed the data again to rewrite them
+            FeatureStore.open(self.out).update_attrs(status="running")
+            if not missing and not pending:
+                return "resume"
         if not missing and not pending:
             return action
         first = ", ".join(f"chunk {k}: {', '.join(names)}" for k, names in list(missing.items())[:3])

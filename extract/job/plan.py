@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 from torch.utils.data import Sampler
 
-from ..store.chunks import Plan
+from ..store.chunks import Plan, share
 
 CHUNK_TARGET_BYTES = 16 * 2**20
 MAX_CHUNK_SIZE = 1024
@@ -39,33 +39,23 @@ def assign(chunks: Sequence[int], world_size: int) -> list[list[int]]:
     return [list(chunks[slice(*share(len(chunks), rank, world_size))]) for rank in range(world_size)]
 
 
-def share(count: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``rank``'s contiguous run (start, stop) of ``count`` items split into ``world_size`` runs whose
-    lengths differ by at most one, the first ones longer."""
-    per_rank, extra = divmod(count, world_size)
-    start = rank * per_rank + min(rank, extra)
-    return start, start + per_rank + (rank < extra)
-
-
 class ChunkBatchSampler(Sampler[list[int]]):
     """Batches of sample indices covering ``chunks`` in order, lazily (memory does not grow with N).
 
-    Batches may straddle chunk boundaries; the writer assembles whole chunks from them.
+    A chunk's batches start at its first sample and never take another chunk's: every sample's batch
+    is then fixed by the job alone, not by which chunks a rank has or which are pending, so the same
+    job gives the same bytes with any process count and after a resume (a batch's size can change a
+    kernel's rounding).
     """
 
     def __init__(self, plan: Plan, chunks: Sequence[int], batch_size: int) -> None:
         self.plan, self.chunks, self.batch_size = plan, list(chunks), batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        batch: list[int] = []
         for chunk in self.chunks:
-            for index in range(*self.plan.bounds(chunk)):
-                batch.append(index)
-                if len(batch) == self.batch_size:
-                    yield batch
-                    batch = []
-        if batch:
-            yield batch
+            start, stop = self.plan.bounds(chunk)
+            for first in range(start, stop, self.batch_size):
+                yield list(range(first, min(first + self.batch_size, stop)))
 
     def __len__(self) -> int:
-        return -(-self.plan.samples_in(self.chunks) // self.batch_size)
+        return sum(-(-(stop - start) // self.batch_size) for start, stop in map(self.plan.bounds, self.chunks))

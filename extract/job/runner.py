@@ -4,7 +4,6 @@ finish. ``run`` reads as that list; each stage is one function below it."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import socket
@@ -21,7 +20,6 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from torch import nn
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from ..capture.hooks import Capture, Edit
 from ..capture.layers import LayerRef, resolve_layers
@@ -44,13 +42,12 @@ from .lifecycle import StoreLife
 from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, ChunkBatchSampler, assign, default_chunk_size
 from .progress import JobProgress
+from .resources import default_workers, default_writer_threads, warn_overflow
 from .spec import JobSpec
-from .text import Packing, TextBatch, TextBatches, Tokenized, restore_token_chunks, tokenize
+from .text_stage import TextJob, prepare_text, text_loop
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
 ROWS = {"img": "samples", "doc": "documents", "tok": "tokens"}  # what a row is, in messages
-TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
 Log = Callable[[str], None]
 
 
@@ -103,22 +100,6 @@ def _autocast(device: torch.device, precision: str) -> Any:
     return torch.autocast(device.type, dtype=AUTOCAST[precision])
 
 
-def _cpus_per_process() -> int:
-    """This machine's CPUs shared among the processes launched on it."""
-    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-
-
-def _default_workers() -> int:
-    return min(8, _cpus_per_process())
-
-
-def default_writer_threads(device: torch.device) -> int:
-    """2 on CPU, where encoding competes with the forward for the cores (benchmarks/RESULTS.md: more
-    threads gained nothing there); on a GPU up to 8, half this process's CPUs: one zstd-1 thread
-    encodes ~0.3 GB/s, and full ResNet-50 layer3 maps at GPU speed are over 1 GB/s."""
-    return 2 if device.type != "cuda" else min(8, max(2, _cpus_per_process() // 2))
-
-
 def print_layers(spec: JobSpec, out: Log = print) -> None:
     """Every module (and alias) with its class, output shape for a batch B, and layout; builds the
     architecture only, so nothing is downloaded. Text models run B sequences of T tokens (and 2T,
@@ -167,33 +148,6 @@ class _Data:
 
 
 @dataclass
-class _Text:
-    """Stage 2b, text jobs: the corpus's offsets, tokenized now or read back from the store being resumed."""
-
-    offsets: np.ndarray
-    context_length: int
-    per_token: bool
-    tokens_per_batch: int
-    tokenized: Tokenized | None  # None: the store being resumed holds the tokens
-    record: dict[str, Any]  # what decides the token ids: part of the job's identity
-    packing: Packing | None = None
-    pack: dict[str, Any] | None = None  # a packed store's ``pack`` attribute
-
-    @property
-    def kind(self) -> str:
-        """The store's kind: one row per token, or one pooled row per document."""
-        return "tokens" if self.per_token else "documents"
-
-    @property
-    def num_documents(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1])
-
-
-@dataclass
 class _Job:
     """What every rank has agreed on before the loop starts: the stages' results and the store's attributes."""
 
@@ -203,7 +157,7 @@ class _Job:
     data: _Data
     plan: Plan
     attrs: dict[str, Any]
-    text: _Text | None = None
+    text: TextJob | None = None
 
     @property
     def unit(self) -> str:
@@ -228,8 +182,11 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     _check_device_map(spec, state)
     model = _model_and_layers(spec, state.device)
     data = _data(spec, state, existing, model)
-    text = _text(spec, state, existing, model, data) if isinstance(data.dataset, TextSource) else None
-    rows = len(data.dataset) if text is None else text.num_tokens if text.per_token else text.num_documents
+    text = None
+    if isinstance(data.dataset, TextSource):
+        assert isinstance(model.layers, TextLayerSetup)
+        text = prepare_text(spec, state, existing, model.loaded, model.layers, data.dataset, data.notes)
+    rows = len(data.dataset) if text is None else text.rows
     plan = _plan(spec, state, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
     return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan, text).attributes(), text)
 
@@ -317,63 +274,6 @@ def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
         )
 
 
-def _text(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, model: _Model, data: _Data) -> _Text:
-    """The corpus's token ids: tokenized once, split across ranks, unless the store being resumed was
-    made from the same documents by the same tokenizer at the same context length (then it holds them)."""
-    loaded, layers = model.loaded, model.layers
-    assert isinstance(layers, TextLayerSetup)
-    positions = loaded.max_positions
-    if spec.context_length is not None and positions is not None and spec.context_length > positions:
-        raise ExtractError(
-            f"--context-length {spec.context_length} is beyond the model's {positions} positions; "
-            f"use at most {positions}"
-        )
-    if spec.pack is not None and positions is not None and spec.pack > positions:
-        raise ExtractError(f"--pack {spec.pack} is beyond the model's {positions} positions; use at most {positions}")
-    context = spec.pack or spec.context_length or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
-    packing = _packing(spec, loaded, layers)
-    record = {
-        "tokenizer": loaded.tokenizer_record(),
-        "context_length": context,
-        **({"pack": packing.record()} if packing is not None else {}),
-        "text_key": spec.text_key,
-        "label_key": spec.label_key,
-        "data": data.dataset.spec,
-        "data_listing_sha256": data.dataset.listing_sha256(),
-    }
-    budget = spec.tokens_per_batch or spec.batch_size * TOKENS_PER_SEQUENCE
-    identity = (existing or {}).get("identity") or {}
-    if not spec.overwrite and identity.get("tokenization") == record:
-        offsets = FeatureStore.open(spec.out, mode="r").array("offsets")[:]
-        return _Text(offsets, context, layers.per_token, budget, None, record, packing, (existing or {}).get("pack"))
-    tokenized = tokenize(data.dataset, loaded, context, state, packing)
-    if tokenized.arrays.num_tokens == 0:
-        if packing is not None:
-            raise ExtractError(
-                f"--data {spec.data} has {tokenized.tail_tokens} tokens, too few for one context of --pack "
-                f"{spec.pack}; give more text or a smaller --pack"
-            )
-        raise ExtractError(f"--data {spec.data} has no tokens: every document is empty; point it at text")
-    data.notes.extend(tokenized.notes(context))
-    offsets, pack = tokenized.arrays.offsets, tokenized.pack_record()
-    return _Text(offsets, context, layers.per_token, budget, tokenized, record, packing, pack)
-
-
-def _packing(spec: JobSpec, model: Any, layers: TextLayerSetup) -> Packing | None:
-    """``--pack``'s contexts for this model's tokenizer, or None without it."""
-    if spec.pack is None:
-        return None
-    if not layers.per_token:
-        raise ExtractError(
-            f"--pack {spec.pack} stores every token of its contexts; it does not combine with --pool "
-            f"{spec.pool} (drop --pool, or drop --pack to pool each document)"
-        )
-    bos, separator = model.packing_tokens()
-    if bos is not None and spec.pack < 2:
-        raise ExtractError(f"--pack {spec.pack} leaves no room beside the BOS each context starts with; use 2 or more")
-    return Packing(spec.pack, bos, separator)
-
-
 def _plan(
     spec: JobSpec,
     state: PartialState,
@@ -393,7 +293,7 @@ def _plan(
     return Plan(num_samples, chunk_size)
 
 
-def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: _Text | None = None) -> JobParts:
+def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob | None = None) -> JobParts:
     """The job's parts as the store's schema takes them: plain values, no model or data source."""
     loaded, layers = model.loaded, model.layers
     text_parts = None
@@ -403,7 +303,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: _Text |
             "tokenization": text.record,
             "num_documents": text.num_documents,
             "num_tokens": text.num_tokens,
-            "pack": text.pack,
+            "pack": text.corpus.pack_record(),
         }
     return JobParts(
         text=text_parts,
@@ -423,7 +323,7 @@ def _loader(job: _Job, chunks: list[int], workers: LoaderWorkerSignals) -> DataL
     return DataLoader(
         job.data.dataset,
         batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
-        num_workers=spec.num_workers if spec.num_workers is not None else _default_workers(),
+        num_workers=spec.num_workers if spec.num_workers is not None else default_workers(),
         pin_memory=device.type == "cuda",
         collate_fn=collate_encoded if job.data.gpu_decoder is not None else None,
         worker_init_fn=workers,
@@ -469,7 +369,7 @@ def _loop(
         raise
     finally:  # on every way out: the workers go now, not at exit, where multiprocessing joins them
         workers.release()
-    _warn_overflow(writer.overflow)
+    warn_overflow(writer.overflow)
     if stop.signum is not None:
         raise Interrupted(stop.signum, writer.chunks_written)
     if bad_image is not None:
@@ -519,79 +419,6 @@ def _forward(
         del batches
 
 
-def _text_loop(
-    job: _Job,
-    store: FeatureStore,
-    chunks: list[int],
-    edit: Mapping[str, Edit] | None,
-    stop: StopRequests,
-    forwarded: Callable[[int], None] = lambda rows: None,
-    held: Callable[[], None] = lambda: None,
-) -> None:
-    """``_loop`` for text: token-budget batches of this rank's chunks (``TextBatches``), each forward's
-    rows selected on the device (``TextSelection``) and handed to the writer."""
-    spec, text, layers = job.spec, job.text, job.model.layers
-    device = input_device(job.model.module)  # the process's device, or a dispatched model's first
-    assert text is not None and isinstance(layers, TextLayerSetup)
-    batches = TextBatches.for_job(
-        text.offsets, store.array("token_ids"), job.plan, chunks, per_token=text.per_token,
-        tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
-    )  # fmt: skip
-    rows = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
-    staging = HostStaging(job.shapes, rows, getattr(torch, spec.dtype), device)
-    threads = spec.writer_threads or default_writer_threads(device)
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
-    stop.defer()
-    try:
-        with (
-            Capture(
-                job.model.module, job.model.refs, reduce=layers.reduce, stop=spec.truncate, edit=edit,
-                sink=staging.stage,
-            ) as cap,
-            torch.inference_mode(),
-        ):  # fmt: skip
-            for batch in batches:
-                if stop.signum is not None:
-                    break
-                held()
-                if not isinstance(batch, TextBatch):  # documents without tokens: their rows are NaN
-                    writer.submit_rows(None, batch)
-                    forwarded(len(batch))
-                    continue
-                _select(layers, batch, device)
-                slot = staging.acquire(writer.check)
-                inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
-                job.model.loaded.call(cap.forward, inputs)
-                staging.seal(slot)
-                writer.submit_rows(slot, batch.rows)
-                forwarded(len(batch.rows))
-        writer.close(complete=stop.signum is None)
-    except BaseException:
-        writer.abort()
-        raise
-    _warn_overflow(writer.overflow)
-    if stop.signum is not None:
-        raise Interrupted(stop.signum, writer.chunks_written)
-
-
-def _select(layers: TextLayerSetup, batch: TextBatch, device: torch.device) -> None:
-    """What every layer's reduction keeps of this batch, on the device."""
-    selection = layers.selection
-    selection.mask = batch.attention_mask.to(device, non_blocking=True)
-    selection.flat = None if batch.flat is None else batch.flat.to(device, non_blocking=True)
-    selection.order = None if batch.order is None else batch.order.to(device, non_blocking=True)
-
-
-def _warn_overflow(overflow: Mapping[str, int]) -> None:
-    for layer, count in overflow.items():
-        if count:
-            tqdm.write(
-                f"extract: WARNING layer '{layer}': {count} values beyond the float16 range were stored as inf; "
-                "use --dtype float32 to keep them",
-                file=sys.stderr,
-            )
-
-
 def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | None = None) -> Summary:
     """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -636,12 +463,7 @@ def _create(job: _Job, out: Path | str, writer: str) -> FeatureStore:
     """The new store at ``out`` (``--out`` with links resolved), its ``writer`` the lock's token from the
     first instant (``store/fence.py``)."""
     plan, spec, text = job.plan, job.spec, job.text
-    kind, arrays = "images", None
-    if text is not None:
-        assert text.tokenized is not None, "a text store is created from the tokenized corpus"
-        kind, arrays = text.kind, text.tokenized.arrays
-        if not text.per_token:  # a document without tokens has no pooled row (NaN): not valid for readers
-            arrays = dataclasses.replace(arrays, valid=arrays.valid & (np.diff(arrays.offsets) > 0))
+    kind, arrays = ("images", None) if text is None else (text.kind, text.arrays())
     return FeatureStore.create(
         out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
@@ -658,14 +480,8 @@ def _share(
     pending = store.pending_chunks()
     if main and resume and job.unit != "tok":  # keys are written at creation: restore those of chunks to redo
         store.write_keys(pending, job.data.dataset.keys())
-    if main and resume and job.unit == "tok":  # so are a token store's ids, which the loop reads
-        assert job.text is not None
-        text = job.text
-        restored = restore_token_chunks(
-            store, job.data.dataset, job.model.loaded, text.context_length, plan, text.offsets, pending, text.packing
-        )
-        if restored:
-            log(f"extract: token ids of {len(restored)} damaged chunks tokenized again (chunk {restored[0]} first)")
+    if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
+        store.rewrite_documents(job.text.arrays(), job.data.dataset.keys(), job.text.rewrite)
     shares = assign(pending, job.state.num_processes)
     life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
     if main and resume:
@@ -710,7 +526,7 @@ def _extract(
     progress = JobProgress(store, plan, pending, enabled=main, own=share, unit=job.unit)
     started = time.time()
     try:
-        (_loop if job.text is None else _text_loop)(job, store, share, edit, stop, progress.advance, held)
+        (_loop if job.text is None else text_loop)(job, store, share, edit, stop, progress.advance, held)
     except ExtractError as e:  # met in this rank's own chunks: only this rank can say it
         e.alone = True
         raise
@@ -729,17 +545,5 @@ def _extract(
         raw_bytes=plan.num_samples * job.sample_bytes,
         invalid=int((~store.array("valid")[:]).sum()) if main else 0,
         unit=job.unit,
-        truncation=_truncation(job.text),
+        truncation=None if job.text is None else job.text.truncation(),
     )
-
-
-def _truncation(text: _Text | None) -> dict[str, int] | None:
-    tokenized = None if text is None else text.tokenized
-    if tokenized is None:
-        return None
-    return {
-        "documents_truncated": tokenized.truncated,
-        "tokens_dropped": tokenized.dropped,
-        "empty_documents": tokenized.empty,
-        "context_length": text.context_length,
-    }

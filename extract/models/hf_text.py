@@ -105,13 +105,47 @@ class TextModel(LoadedModel):
             raise ValueError(f"text must be a str, not {type(text).__name__}")
         if self._backend is None:
             return self._encode_slow(text, context_length)
+        return self._finished(self._backend.encode(text, add_special_tokens=False), context_length)
+
+    def encode_many(self, documents: Sequence[tuple[str | None, Sequence[int] | None]], context_length: int | None) -> list[Encoded]:
+        """``encode`` (``context_length`` given) or ``encode_content`` (None: ``--pack``'s untruncated
+        content) of many documents, each a (text, input_ids) pair with exactly one given; the texts go
+        through the tokenizer's batch encoder at once (its Rust threads), and every document's ids are
+        exactly what ``encode`` gives it alone."""
+        texts = [text for text, ids in documents if ids is None and isinstance(text, str)]
+        if self._backend is None or not texts:
+            return [self._encode_one(text, ids, context_length) for text, ids in documents]
+        if context_length is not None:
+            self._room(context_length)
+        batch = iter(self._backend.encode_batch(texts, add_special_tokens=False))
+        out = []
+        for text, ids in documents:
+            if ids is not None or not isinstance(text, str):
+                out.append(self._encode_one(text, ids, context_length))
+            elif context_length is None:
+                out.append(Encoded(np.asarray(next(batch).ids, dtype=np.int32), np.zeros(0, bool), 0))
+            else:
+                out.append(self._finished(next(batch), context_length))
+        return out
+
+    def _encode_one(self, text: str | None, ids: Sequence[int] | None, context_length: int | None) -> Encoded:
+        if context_length is not None:
+            return self.encode(text, ids, context_length)
+        return Encoded(self.encode_content(text, ids), np.zeros(0, bool), 0)
+
+    def _room(self, context_length: int) -> int:
+        """Content tokens a document keeps at ``context_length``, beside the special tokens added."""
         room = context_length - self._backend.num_special_tokens_to_add(False)
         if room < 0:
             raise ExtractError(
                 f"--context-length {context_length} leaves no room for the "
                 f"{context_length - room} special tokens {type(self.tokenizer).__name__} adds; give a larger one"
             )
-        encoding = self._backend.encode(text, add_special_tokens=False)
+        return room
+
+    def _finished(self, encoding: Any, context_length: int) -> Encoded:
+        """A backend encoding of a document's content, truncated and given the model's special tokens."""
+        room = self._room(context_length)
         content = len(encoding.ids)
         if content > room:
             encoding.truncate(room, direction=self.tokenizer.truncation_side)

@@ -31,6 +31,14 @@ class Plan:
         return sum(stop - start for start, stop in map(self.bounds, chunks))
 
 
+def share(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``rank``'s contiguous run (start, stop) of ``count`` items split into ``world_size`` runs whose
+    lengths differ by at most one, the first ones longer."""
+    per_rank, extra = divmod(count, world_size)
+    start = rank * per_rank + min(rank, extra)
+    return start, start + per_rank + (rank < extra)
+
+
 def chunk_segments(indices: np.ndarray, chunk_size: int) -> Iterator[tuple[int, int, int]]:
     """Split a sorted batch of sample indices into (chunk, first row, end row) runs."""
     chunk_ids = indices // chunk_size

@@ -41,6 +41,8 @@ INDEX_CHUNK_BYTES = 16 * 2**20
 # read of what was just written, not a second hash of the data.
 DIGESTS = "digests"
 DIGEST_BYTES = 4
+# {array: [crc32c of each object]} of the arrays written whole at creation (``document_arrays``)
+DOCUMENT_DIGESTS = "document_digests"
 METADATA = "zarr.json"
 DAMAGED = "extract.damaged_root"  # check_out_path's key for a store whose root metadata do not decode
 
@@ -60,7 +62,7 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None, row: str =
 
 KINDS = ("images", "documents", "tokens")
 ROW_NAMES = {"images": "sample", "documents": "document", "tokens": "token"}
-TEXT_ARRAYS = ("offsets", "token_ids", "special")
+TEXT_ARRAYS = ("offsets",)
 TOKEN_ARRAYS = ("token_ids", "special")
 PACKED_ARRAYS = ("doc", "doc_position")
 TEXT_CHUNK = 2**16  # rows per chunk of the per-document and token-id arrays where they are not row arrays
@@ -87,21 +89,20 @@ def decodes(array: zarr.Array, start: int, stop: int) -> bool:
 
 @dataclass(frozen=True)
 class TextArrays:
-    """A tokenized corpus as the store keeps it: document i is tokens ``offsets[i]:offsets[i+1]``."""
+    """A text store's per-document arrays, written whole at creation (a token store's token rows are
+    written by each chunk's owner, with the chunk): document i is rows ``offsets[i]:offsets[i+1]`` of
+    a token store, and has tokens ``offsets[i]:offsets[i+1]`` in a document store."""
 
     offsets: np.ndarray  # (N_docs + 1,) int64
-    token_ids: np.ndarray  # (N_tokens,) int32
-    special: np.ndarray  # (N_tokens,) bool
     labels: np.ndarray  # (N_docs,) int64
     valid: np.ndarray  # (N_docs,) bool
-    # packed (--pack): the documents are contexts, and each token knows its source document and its
-    # position there (-1 for the BOS and separators packing inserted)
-    doc: np.ndarray | None = None  # (N_tokens,) int32
-    doc_position: np.ndarray | None = None  # (N_tokens,) int32
+    # packed (--pack): the documents are contexts; each source document's content tokens, from which
+    # every context's place in the stream of documents follows (a resume tokenizes nothing to plan)
+    source_lengths: np.ndarray | None = None  # (N_source_docs,) int64
 
     @property
     def packed(self) -> bool:
-        return self.doc is not None
+        return self.source_lengths is not None
 
     @property
     def num_documents(self) -> int:
@@ -110,6 +111,31 @@ class TextArrays:
     @property
     def num_tokens(self) -> int:
         return int(self.offsets[-1])
+
+
+def document_arrays(kind: str, packed: bool, keys: bool) -> list[str]:
+    """The arrays written whole at creation and never per chunk, whose objects' digests the store
+    records then (``document_digests``): a token store's per-document arrays; a document store's
+    offsets (its labels, valid and keys are row arrays, under the per-chunk digests)."""
+    if kind == "tokens":
+        return ["offsets", "labels", "valid", *(["keys"] if keys else []), *(["source_lengths"] if packed else [])]
+    return ["offsets"] if kind == "documents" else []
+
+
+def _object_keys(array: zarr.Array) -> list[str]:
+    """The keys of every object of a 1-D ``array``, in order."""
+    count = -(-array.shape[0] // array.chunks[0]) if array.shape[0] else 0
+    return [f"{array.path}/{array.metadata.encode_chunk_key((i,))}" for i in range(count)]
+
+
+def _digests_of(group: zarr.Group, names: Sequence[str]) -> dict[str, list[int | None]]:
+    """Each array's objects' crc32c (the 4-byte suffix the checksum codec appends), None where absent."""
+    found = {}
+    for name in names:
+        keys = _object_keys(group[name])  # type: ignore[arg-type]
+        tails = objects.suffixes(group.store, keys, DIGEST_BYTES)
+        found[name] = [None if t is None else int.from_bytes(t, "little") for t in tails]
+    return found
 
 
 def _store_attrs(path: Path, damaged: bool = False) -> dict[str, Any] | None:
@@ -351,9 +377,11 @@ class _Skeleton:
             )[:] = np.asarray(self.keys, dtype=STRINGS)  # fmt: skip
 
     def _text(self, group: zarr.Group, text: TextArrays) -> None:
-        """A text store's arrays, all written whole here (the tokenization came first). In a token store
-        the rows are tokens: ``token_ids`` and ``special`` are chunked like the features, and the
-        per-document arrays by ``TEXT_CHUNK``; in a document store the rows are documents."""
+        """A text store's arrays. The per-document ones are written whole here, chunked by ``TEXT_CHUNK``
+        in a token store (by the features' chunks in a document store, where rows are documents). A
+        token store's token rows (``token_ids``, ``special``; packed: ``doc``, ``doc_position``) are
+        chunked like the features and left empty: each chunk's owner writes them with the chunk. A
+        document store keeps its documents' lengths (``offsets``), not their token ids."""
         tokens = self.kind == "tokens"
         zstd = checked(codecs("zstd"))
 
@@ -367,23 +395,24 @@ class _Skeleton:
             )[:] = values  # fmt: skip
 
         whole("offsets", text.offsets.astype(np.int64), "document_edge", rows=False)
-        if text.num_tokens:
-            whole("token_ids", text.token_ids.astype(np.int32), "token", rows=tokens)
-            whole("special", text.special.astype(bool), "token", rows=tokens)
-        else:  # zarr refuses chunks of zero rows
-            for name, dtype in (("token_ids", "int32"), ("special", "bool")):
+        if tokens:
+            columns = {"token_ids": ("int32", 0), "special": ("bool", False)}
+            if text.packed:
+                columns.update(doc=("int32", -1), doc_position=("int32", -1))
+            for name, (dtype, fill) in columns.items():
                 group.create_array(
-                    name, shape=(0,), chunks=(1,), dtype=dtype, compressors=zstd, dimension_names=("token",)
-                )
-        if text.packed:
-            assert text.doc is not None and text.doc_position is not None
-            whole("doc", text.doc.astype(np.int32), "token", rows=True)
-            whole("doc_position", text.doc_position.astype(np.int32), "token", rows=True)
+                    name, shape=(text.num_tokens,), chunks=(self.chunk_size,), dtype=dtype, fill_value=fill,
+                    compressors=zstd, dimension_names=("token",),
+                )  # fmt: skip
+        if text.source_lengths is not None:
+            whole("source_lengths", text.source_lengths.astype(np.int64), "source_document", rows=False)
         whole("labels", text.labels.astype(np.int64), "document", rows=not tokens)
         whole("valid", text.valid.astype(bool), "document", rows=not tokens)
         if self.keys is not None:  # packed: the source documents' keys, which ``doc`` indexes
             keys_dimension = "source_document" if text.packed else "document"
             whole("keys", np.asarray(self.keys, dtype=STRINGS), keys_dimension, rows=not tokens, dtype=str)
+        names = document_arrays(self.kind, text.packed, self.keys is not None)
+        group.attrs.update({DOCUMENT_DIGESTS: _digests_of(group, names)})
 
     def _indexes(self, group: zarr.Group) -> None:
         """Each saved index as a uint8 array: a member of the hierarchy, so zarr (and object storage)
@@ -539,6 +568,8 @@ class FeatureStore:
         expected.update(labels=None, valid=None)
         if kind != "images":
             expected.update(dict.fromkeys(TEXT_ARRAYS))
+        if kind == "tokens":
+            expected.update(dict.fromkeys(TOKEN_ARRAYS))
         packed = attrs.get("pack") is not None
         if packed:
             expected.update(dict.fromkeys(PACKED_ARRAYS))
@@ -727,6 +758,46 @@ class FeatureStore:
         if chunks and self.attrs.get("status") == "complete":
             self.update_attrs(status="running")
 
+    def document_damage(self) -> list[str]:
+        """The arrays written whole at creation (``document_arrays``) whose objects are not the ones
+        written then: edited (even through zarr, with a valid checksum), swapped, torn or lost; each
+        object's checksum against the digest recorded at creation (4 bytes read per object)."""
+        recorded = self.attrs.get(DOCUMENT_DIGESTS)
+        if not isinstance(recorded, dict):
+            return []  # a store from before the digests: nothing to check against
+        damaged = []
+        for name, digests in recorded.items():
+            try:
+                now = _digests_of(self.group, [name])[name]
+            except Exception:  # noqa: BLE001 - its metadata are gone or garbage
+                damaged.append(name)
+                continue
+            if now != digests:
+                damaged.append(name)
+        return damaged
+
+    def text_arrays(self) -> TextArrays:
+        """The per-document arrays as written at creation (check ``document_damage`` first)."""
+        source = self.array("source_lengths")[:] if self.has("source_lengths") else None
+        return TextArrays(self.array("offsets")[:], self.array("labels")[:], self.array("valid")[:], source)
+
+    def rewrite_documents(self, text: TextArrays, keys: Sequence[str] | None, names: Sequence[str]) -> None:
+        """Write the arrays ``names`` (of ``document_arrays``) again, whole, from ``text`` and ``keys``
+        (the same values and codecs give the same objects as at creation)."""
+        values = {
+            "offsets": text.offsets,
+            "labels": text.labels,
+            "valid": text.valid,
+            "source_lengths": text.source_lengths,
+            "keys": None if keys is None else np.asarray(keys, dtype=STRINGS),
+        }
+        for name in names:
+            array = self.array(name)
+            array[:] = np.asarray(values[name]).astype(array.dtype) if name != "keys" else values[name]
+        recorded = dict(self.attrs.get(DOCUMENT_DIGESTS) or {})
+        recorded.update(_digests_of(self.group, list(names)))
+        self.update_attrs(**{DOCUMENT_DIGESTS: recorded})
+
     def write_chunk(
         self,
         chunk: int,
@@ -735,10 +806,14 @@ class FeatureStore:
         features: Mapping[str, np.ndarray],
         labels: np.ndarray | None,
         valid: np.ndarray | None,
+        columns: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Write one whole chunk of every array and its layers' statistics (``stats.py``), record its
         objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no
-        labels or valid: theirs were written at creation."""
+        labels or valid: theirs were written at creation; a token store passes its token rows'
+        ``columns`` (``token_ids``, ``special``...)."""
+        for name, values in (columns or {}).items():
+            self.array(name)[start:stop] = values
         for layer, values in features.items():
             array = self.array(f"features/{layer}")
             array[start:stop] = values

@@ -36,6 +36,15 @@ class _OpenChunk:
         self.labels = np.full(rows, -1, dtype=np.int64)
         self.valid = np.zeros(rows, dtype=bool)
         self.filled = 0
+        self.columns: dict[str, np.ndarray] | None = None  # a token chunk's token rows (``submit_columns``)
+
+    @property
+    def full(self) -> bool:
+        return self.filled == self.stop - self.start
+
+
+# a staged batch (slot, rows, labels, valid), or a token chunk's columns (chunk, {name: rows})
+_Item = tuple[Slot | None, np.ndarray, np.ndarray, np.ndarray] | tuple[int, dict[str, np.ndarray]]
 
 
 class ChunkWriter:
@@ -59,14 +68,13 @@ class ChunkWriter:
     ) -> None:
         self.store, self.staging, self.plan = store, staging, plan
         self.rows_only = store.kind != "images"  # text stores: labels and valid were written at creation
+        self.needs_columns = store.kind == "tokens"  # a token chunk is written with its token rows
         self.shapes = dict(shapes)
         self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
         self.threads = threads
         self.chunks_written = 0
         self.overflow: dict[str, int] = dict.fromkeys(self.shapes, 0)
-        self._queue: queue.Queue[tuple[Slot | None, np.ndarray, np.ndarray, np.ndarray] | None] = queue.Queue(
-            staging.num_slots
-        )
+        self._queue: queue.Queue[_Item | None] = queue.Queue(staging.num_slots)
         self._open: dict[int, _OpenChunk] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write")
         self._inflight: deque[Future[None]] = deque()
@@ -89,7 +97,11 @@ class ChunkWriter:
         rows = np.asarray(rows, dtype=np.int64)
         self._put((slot, rows, np.full(len(rows), -1, np.int64), np.ones(len(rows), bool)))
 
-    def _put(self, item: tuple[Slot | None, np.ndarray, np.ndarray, np.ndarray]) -> None:
+    def submit_columns(self, chunk: int, columns: dict[str, np.ndarray]) -> None:
+        """A token chunk's token rows (``token_ids``, ``special``...), written with its features."""
+        self._put((chunk, columns))
+
+    def _put(self, item: _Item) -> None:
         while True:
             self.check()
             try:
@@ -125,10 +137,13 @@ class ChunkWriter:
         try:
             while (item := self._queue.get()) is not None:
                 if self._error is not None:
-                    if item[0] is not None:
+                    if len(item) == 4 and item[0] is not None:
                         self.staging.release(item[0])
                     continue
-                self._consume(*item)
+                if len(item) == 2:
+                    self._columns(*item)
+                else:
+                    self._consume(*item)
             while self._inflight:
                 self._finish(self._inflight.popleft())
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by check()
@@ -144,7 +159,7 @@ class ChunkWriter:
                 return
             if item is None:
                 return
-            if item[0] is not None:
+            if len(item) == 4 and item[0] is not None:
                 self.staging.release(item[0])
 
     def _consume(self, slot: Slot | None, indices: np.ndarray, labels: np.ndarray, valid: np.ndarray) -> None:
@@ -152,9 +167,7 @@ class ChunkWriter:
             self.staging.wait(slot)
         try:
             for chunk, first, end in chunk_segments(indices, self.plan.chunk_size):
-                open_chunk = self._open.get(chunk)
-                if open_chunk is None:
-                    open_chunk = self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype)
+                open_chunk = self._opened(chunk)
                 rows, at_first = end - first, int(indices[first]) - open_chunk.start
                 at: slice | np.ndarray = slice(at_first, at_first + rows)  # contiguous: a slice copies faster
                 if int(indices[end - 1]) - int(indices[first]) != rows - 1:  # a text batch keeps this rank's tokens
@@ -164,11 +177,24 @@ class ChunkWriter:
                 open_chunk.labels[at] = labels[first:end]
                 open_chunk.valid[at] = valid[first:end]
                 open_chunk.filled += rows
-                if open_chunk.filled == open_chunk.stop - open_chunk.start:
-                    self._write(self._open.pop(chunk))
+                self._write_if_whole(open_chunk)
         finally:
             if slot is not None:
                 self.staging.release(slot)
+
+    def _opened(self, chunk: int) -> _OpenChunk:
+        if chunk not in self._open:
+            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype)
+        return self._open[chunk]
+
+    def _columns(self, chunk: int, columns: dict[str, np.ndarray]) -> None:
+        open_chunk = self._opened(chunk)
+        open_chunk.columns = columns
+        self._write_if_whole(open_chunk)
+
+    def _write_if_whole(self, chunk: _OpenChunk) -> None:
+        if chunk.full and (chunk.columns is not None or not self.needs_columns):
+            self._write(self._open.pop(chunk.chunk))
 
     def _write(self, chunk: _OpenChunk) -> None:
         invalid = ~chunk.valid
@@ -188,6 +214,7 @@ class ChunkWriter:
                 chunk.features,
                 None if self.rows_only else chunk.labels,
                 None if self.rows_only else chunk.valid,
+                chunk.columns,
             )  # fmt: skip
         )
 

@@ -1,0 +1,248 @@
+"""The text stages of a job: the corpus planned from its lengths (``prepare_text``), and the loop that
+runs a rank's chunks (``text_loop``). No rank ever holds the corpus's token ids: ranks gather a few
+bytes per document, and each tokenizes the documents of its own chunks window by window
+(``extract.data.tokenize``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..capture.hooks import Capture, Edit
+from ..capture.setup import TextLayerSetup
+from ..capture.staging import HostStaging
+from ..data.source import TextSource
+from ..data.tokenize import Corpus, PackInfo, TokenRows, survey
+from ..errors import ExtractError
+from ..models.hf_text import input_device
+from ..store.store import FeatureStore, TextArrays
+from ..store.writer import ChunkWriter
+from .interrupt import Interrupted, StopRequests
+from .resources import default_writer_threads, warn_overflow
+from .spec import JobSpec
+from .text import ChunkColumns, TextBatch, TextBatches
+
+MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
+TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
+
+
+@dataclass
+class TextJob:
+    """A text job's corpus as planned: its per-document facts (surveyed now, or read back from the store
+    being resumed) and how its batches are made."""
+
+    corpus: Corpus
+    context_length: int
+    per_token: bool
+    tokens_per_batch: int
+    record: dict[str, Any]  # what decides the token ids: part of the job's identity
+    surveyed: bool  # tokenized now (the truncation counts are known), not read back
+    rewrite: list[str] = field(default_factory=list)  # per-document arrays of the store to write again
+    offsets: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = self.corpus.offsets
+
+    @property
+    def kind(self) -> str:
+        """The store's kind: one row per token, or one pooled row per document."""
+        return "tokens" if self.per_token else "documents"
+
+    @property
+    def packing(self) -> PackInfo | None:
+        return self.corpus.packing
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def rows(self) -> int:
+        return self.num_tokens if self.per_token else self.num_documents
+
+    def arrays(self) -> TextArrays:
+        """The per-document arrays the store keeps (packed: per context, with the source lengths)."""
+        corpus = self.corpus
+        if corpus.packing is not None:
+            contexts = self.num_documents
+            return TextArrays(
+                self.offsets, np.full(contexts, -1, np.int64), np.ones(contexts, bool), corpus.lengths.copy()
+            )
+        valid = corpus.valid
+        if not self.per_token:  # a document without tokens has no pooled row (NaN): not valid for readers
+            valid = valid & (corpus.lengths > 0)
+        return TextArrays(self.offsets, corpus.labels, valid)
+
+    def truncation(self) -> dict[str, int] | None:
+        if not self.surveyed:
+            return None
+        return {
+            "documents_truncated": self.corpus.truncated,
+            "tokens_dropped": self.corpus.dropped,
+            "empty_documents": self.corpus.empty,
+            "context_length": self.context_length,
+        }
+
+
+def prepare_text(
+    spec: JobSpec,
+    state: Any,
+    existing: Mapping[str, Any] | None,
+    loaded: Any,
+    layers: TextLayerSetup,
+    dataset: TextSource,
+    notes: list[str],
+) -> TextJob:
+    """The corpus's plan: surveyed now, split across ranks, unless the store being resumed was made from
+    the same documents by the same tokenizer at the same context length and its per-document arrays
+    are the ones written at its creation (then it holds them; damaged ones are surveyed again and
+    rewritten, ``TextJob.rewrite``)."""
+    positions = loaded.max_positions
+    if spec.context_length is not None and positions is not None and spec.context_length > positions:
+        raise ExtractError(
+            f"--context-length {spec.context_length} is beyond the model's {positions} positions; "
+            f"use at most {positions}"
+        )
+    if spec.pack is not None and positions is not None and spec.pack > positions:
+        raise ExtractError(f"--pack {spec.pack} is beyond the model's {positions} positions; use at most {positions}")
+    context = spec.pack or spec.context_length or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+    packing = _packing(spec, loaded, layers)
+    record = {
+        "tokenizer": loaded.tokenizer_record(),
+        "context_length": context,
+        **({"pack": packing.record()} if packing is not None else {}),
+        "text_key": spec.text_key,
+        "label_key": spec.label_key,
+        "data": dataset.spec,
+        "data_listing_sha256": dataset.listing_sha256(),
+    }
+    budget = spec.tokens_per_batch or spec.batch_size * TOKENS_PER_SEQUENCE
+    identity = (existing or {}).get("identity") or {}
+    if not spec.overwrite and identity.get("tokenization") == record:
+        store = FeatureStore.open(spec.out, mode="r")
+        damaged = store.document_damage()
+        if packing is not None and not store.has("source_lengths"):
+            damaged.append("source_lengths")  # a store from before they were kept: survey again
+        if not damaged:
+            stored = store.text_arrays()
+            corpus = _stored_corpus(stored, packing)
+            return TextJob(corpus, context, layers.per_token, budget, record, surveyed=False)
+        corpus = survey(dataset, loaded, context, state, packing)
+        notes.append(
+            f"extract: {', '.join(damaged)} of {spec.out} are not as written at its creation; "
+            "surveyed the data again to rewrite them"
+        )
+        rewrite = [name for name in damaged if store.has(name)]
+        return TextJob(corpus, context, layers.per_token, budget, record, surveyed=True, rewrite=rewrite)
+    corpus = survey(dataset, loaded, context, state, packing)
+    job = TextJob(corpus, context, layers.per_token, budget, record, surveyed=True)
+    if job.num_tokens == 0:
+        if packing is not None:
+            raise ExtractError(
+                f"--data {spec.data} has {corpus.tail_tokens} tokens, too few for one context of --pack "
+                f"{spec.pack}; give more text or a smaller --pack"
+            )
+        raise ExtractError(f"--data {spec.data} has no tokens: every document is empty; point it at text")
+    notes.extend(corpus.notes(context))
+    return job
+
+
+def _stored_corpus(stored: TextArrays, packing: PackInfo | None) -> Corpus:
+    """The plan's facts as a store keeps them: ragged, each document's length is its offsets'
+    difference; packed, the source documents' lengths."""
+    if packing is not None:
+        assert stored.source_lengths is not None
+        lengths = stored.source_lengths
+        return Corpus(lengths, np.full(len(lengths), -1, np.int64), np.ones(len(lengths), bool), packing=packing)
+    return Corpus(np.diff(stored.offsets), stored.labels, stored.valid)
+
+
+def _packing(spec: JobSpec, model: Any, layers: TextLayerSetup) -> PackInfo | None:
+    """``--pack``'s contexts for this model's tokenizer, or None without it."""
+    if spec.pack is None:
+        return None
+    if not layers.per_token:
+        raise ExtractError(
+            f"--pack {spec.pack} stores every token of its contexts; it does not combine with --pool "
+            f"{spec.pool} (drop --pool, or drop --pack to pool each document)"
+        )
+    bos, separator = model.packing_tokens()
+    if bos is not None and spec.pack < 2:
+        raise ExtractError(f"--pack {spec.pack} leaves no room beside the BOS each context starts with; use 2 or more")
+    return PackInfo(spec.pack, bos, separator)
+
+
+def text_loop(
+    job: Any,
+    store: FeatureStore,
+    chunks: list[int],
+    edit: Mapping[str, Edit] | None,
+    stop: StopRequests,
+    forwarded: Callable[[int], None] = lambda rows: None,
+    held: Callable[[], None] = lambda: None,
+) -> None:
+    """The image loop's counterpart for text: token-budget batches of this rank's chunks
+    (``TextBatches``), each forward's rows selected on the device and handed to the writer with each
+    token chunk's token rows. ``held()`` raises once the lock is lost."""
+    spec, text, layers = job.spec, job.text, job.model.layers
+    device = input_device(job.model.module)  # the process's device, or a dispatched model's first
+    assert text is not None and isinstance(layers, TextLayerSetup)
+    rows = TokenRows(job.data.dataset, job.model.loaded, text.context_length, text.corpus)
+    batches = TextBatches.for_job(
+        text.offsets, rows, job.plan, chunks, per_token=text.per_token,
+        tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
+    )  # fmt: skip
+    most = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
+    staging = HostStaging(job.shapes, most, getattr(torch, spec.dtype), device)
+    threads = spec.writer_threads or default_writer_threads(device)
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
+    stop.defer()
+    try:
+        with (
+            Capture(
+                job.model.module, job.model.refs, reduce=layers.reduce, stop=spec.truncate, edit=edit,
+                sink=staging.stage,
+            ) as cap,
+            torch.inference_mode(),
+        ):  # fmt: skip
+            for batch in batches:
+                if stop.signum is not None:
+                    break
+                held()
+                if isinstance(batch, ChunkColumns):
+                    writer.submit_columns(batch.chunk, batch.columns)
+                    continue
+                if not isinstance(batch, TextBatch):  # documents without tokens: their rows are NaN
+                    writer.submit_rows(None, batch)
+                    forwarded(len(batch))
+                    continue
+                _select(layers, batch, device)
+                slot = staging.acquire(writer.check)
+                inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
+                job.model.loaded.call(cap.forward, inputs)
+                staging.seal(slot)
+                writer.submit_rows(slot, batch.rows)
+                forwarded(len(batch.rows))
+        writer.close(complete=stop.signum is None)
+    except BaseException:
+        writer.abort()
+        raise
+    warn_overflow(writer.overflow)
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, writer.chunks_written)
+
+
+def _select(layers: TextLayerSetup, batch: TextBatch, device: torch.device) -> None:
+    """What every layer's reduction keeps of this batch, on the device."""
+    selection = layers.selection
+    selection.mask = batch.attention_mask.to(device, non_blocking=True)
+    selection.flat = None if batch.flat is None else batch.flat.to(device, non_blocking=True)
+    selection.order = None if batch.order is None else batch.order.to(device, non_blocking=True)
