@@ -3,7 +3,9 @@
 Every chunk marked done must have, in every per-sample array (features, labels, valid, keys) and in
 its layers' statistics (``stats/<layer>``, one row per chunk), an object that is present, decodes,
 matches its crc32c checksum, and is the object written for that chunk: its checksum equals the one
-recorded in ``digests`` when the chunk was marked done, so a swapped, foreign or stale object is named. A store whose status is "complete" must have every chunk
+recorded in ``digests`` when the chunk was marked done, so a swapped, foreign or stale object is named.
+The arrays written whole at creation (a token store's offsets, labels, valid, keys; a document store's
+offsets) must be the objects written then, by the digests recorded then. A store whose status is "complete" must have every chunk
 of its plan done. The identity attributes must match the digests recorded at creation, the
 fingerprint its identity and ``layers`` the arrays under ``features/``; every array's codecs must end
 with the checksum. ``--repair`` restores what can be proven (the checksum codec; an attribute whose
@@ -43,10 +45,11 @@ class Report:
     placed: bool = True  # False: a store from before digests, whose objects' places cannot be checked
     restored: list[str] = field(default_factory=list)  # what --repair put back
     kept: list[str] = field(default_factory=list)  # problems --repair could not undo
+    documents: list[str] = field(default_factory=list)  # arrays written at creation, not as written then
 
     @property
     def clean(self) -> bool:
-        return not self.damaged and not self.problems
+        return not self.damaged and not self.problems and not self.documents
 
     def line(self, repaired: bool) -> str:
         head = f"extract.verify: {self.path}:"
@@ -57,7 +60,10 @@ class Report:
         more = [f"and {len(self.damaged) - 3} more"] if len(self.damaged) > 3 else []
         what = [f"{len(self.damaged)} of {self.num_chunks} chunks damaged"] if self.damaged else []
         what = (["its metadata damaged"] if self.problems else []) + what
-        return f"{head} {' and '.join(what)} ({'; '.join(self.problems + chunks + more)}); {self._then(repaired)}"
+        if self.documents:
+            what = [f"{', '.join(self.documents)} not as written at creation (edited, torn or lost)", *what]
+        details = "; ".join(self.problems + chunks + more)
+        return f"{head} {' and '.join(what)}{f' ({details})' if details else ''}; {self._then(repaired)}"
 
     def _clean(self) -> str:
         checked = "match their checksums" + (
@@ -78,6 +84,8 @@ class Report:
         then = [f"restored {', '.join(self.restored)}"] if self.restored else []
         if self.damaged:
             then.append("cleared their done flags: rerun the job's command to recompute them")
+        if self.documents:
+            then.append(f"rerun the job's command to write {', '.join(self.documents)} again from the data")
         if self.kept:
             then.append(f"cannot repair {', '.join(self.kept)}: rerun the job's command with --overwrite")
         return "; ".join(then) or "nothing left to repair: rerun the job's command"
@@ -90,6 +98,7 @@ def verify(store: FeatureStore) -> Report:
     done = store.done_flags()
     report = Report(store.path, plan.num_chunks, int(done.sum()), attrs.get("status") == "complete")
     report.problems = _attribute_problems(store, attrs) + _codec_problems(store, attrs)
+    report.documents = store.document_damage()
     stored_done = store.stored_chunks("done", range(plan.num_chunks))
     for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
         report.damaged.setdefault(k, []).append("done does not decode")
@@ -217,6 +226,8 @@ def repair(store: FeatureStore, report: Report) -> Report:
     restored += _restore_attributes(store)
     again = verify(FeatureStore.open(store.path, mode="r+")) if restored else report
     store.clear_done(sorted(again.damaged))
+    if again.documents and store.attrs.get("status") == "complete":  # the rerun writes them again
+        store.update_attrs(status="running")
     again.restored, again.kept = restored, [problem.partition(" ")[0] for problem in again.problems]
     return again
 
