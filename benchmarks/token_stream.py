@@ -88,8 +88,6 @@ def make_data(folder: Path, megabytes: float, dim: int, chunk_size: int | None) 
     token_ids[special] = 0
     text = TextArrays(
         offsets=np.arange(contexts + 1, dtype=np.int64) * CONTEXT,
-        token_ids=token_ids,
-        special=special,
         labels=np.full(contexts, -1, dtype=np.int64),
         valid=np.ones(contexts, dtype=bool),
     )
@@ -108,7 +106,8 @@ def make_data(folder: Path, megabytes: float, dim: int, chunk_size: int | None) 
     for chunk in range(plan.num_chunks):
         start, stop = plan.bounds(chunk)
         npy[start:stop] = values = activations(stop - start, dim, rng)
-        store.write_chunk(chunk, start, stop, {LAYER: values}, None, None)
+        columns = {"token_ids": token_ids[start:stop], "special": special[start:stop]}
+        store.write_chunk(chunk, start, stop, {LAYER: values}, None, None, columns)
     npy.flush()
     del npy
     store.update_attrs(status="complete")

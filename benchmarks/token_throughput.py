@@ -48,6 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from extract.data.tokenize import ArrayRows  # noqa: E402
 from extract.job.text import TextBatch, TextBatches  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 
@@ -232,7 +233,7 @@ def extract_batches(ids: list[list[int]], batch_size: int, tokens_per_batch: int
     flat = np.concatenate([np.asarray(i, dtype=np.int32) for i in ids])
     plan = Plan(int(offsets[-1]), default_chunk_size(int(offsets[-1]), 768 * itemsize, 1, MAX_TOKEN_CHUNK_SIZE))
     batches = TextBatches.for_job(
-        offsets, flat, plan, range(plan.num_chunks), per_token=True, tokens_per_batch=tokens_per_batch, pad_id=0,
+        offsets, ArrayRows(flat), plan, range(plan.num_chunks), per_token=True, tokens_per_batch=tokens_per_batch, pad_id=0,
         row_bytes=768 * itemsize,
     )  # fmt: skip
     return [batch.inputs for batch in batches if isinstance(batch, TextBatch)]
@@ -346,13 +347,14 @@ def padding_waste(store: Path, batch_size: int, tokens_per_batch: int) -> dict[s
     plan = Plan(int(offsets[-1]), int(group.attrs["chunk_size"]))
     row_bytes = 768 * np.dtype(group[f"features/{LAYER}"].dtype).itemsize
     batches = TextBatches.for_job(
-        offsets, group["token_ids"], plan, range(plan.num_chunks), per_token=True,
+        offsets, ArrayRows(group["token_ids"]), plan, range(plan.num_chunks), per_token=True,
         tokens_per_batch=tokens_per_batch, pad_id=0, row_bytes=row_bytes,
     )  # fmt: skip
     computed = stored = forwards = 0
     widths = []
     for batch in batches:
-        assert isinstance(batch, TextBatch)
+        if not isinstance(batch, TextBatch):  # a chunk's token rows
+            continue
         b, t = batch.input_ids.shape
         computed, stored, forwards = computed + b * t, stored + len(batch.rows), forwards + 1
         widths.append(b)

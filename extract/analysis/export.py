@@ -50,6 +50,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ExtractError, StoreDamagedError
+from ..names import Kind
 from ..read.features import Features, open_features
 
 BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
@@ -120,8 +121,8 @@ def _open(store: str | Path | Features) -> Features:
             f"{features.path} is not complete (status '{features.attrs.get('status')}'): rerun the same extract "
             "command to finish it, then export"
         )
-    if features.kind != "tokens":
-        kind = "an image" if features.kind == "images" else "a document (pooled per document)"
+    if features.kind is not Kind.TOKENS:
+        kind = "an image" if features.kind is Kind.IMAGES else "a document (pooled per document)"
         raise ExportError(
             f"{features.path} is {kind} store; SAELens trains on per-token activations: extract the text "
             "model with --pack T (contexts of T tokens) and export that store"

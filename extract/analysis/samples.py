@@ -13,6 +13,7 @@ import torch
 
 from ..capture.layers import closest, matches_glob
 from ..errors import ExtractError, LayerNotFoundError
+from ..names import Kind
 from ..read.features import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
@@ -41,7 +42,7 @@ def open_rows(path: object, command: str) -> Features:
     from ..read.features import open_features
 
     features = open_features(path)  # type: ignore[arg-type]
-    if features.kind == "tokens":
+    if features.kind is Kind.TOKENS:
         raise ExtractError(
             f"{path} stores one row per token; {command} takes one row per document: extract the same job "
             "with --pool mean (or last, max, first) into another store, or read the tokens with open_features"

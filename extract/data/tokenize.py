@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import ExtractError
+from ..names import PackInfo
 from ..store.chunks import share
 from .source import Document, TextSource
 
@@ -45,37 +46,6 @@ class Encoder(Protocol):
     ) -> Sequence[Encoded]: ...
 
     def special_ids(self) -> np.ndarray: ...
-
-
-@dataclass(frozen=True)
-class PackInfo:
-    """``--pack T``: the documents' content tokens concatenated, ``separator`` between two documents,
-    cut into contexts of exactly T tokens that each start with ``bos`` (where the model has one); the
-    tail too short for a context is dropped. Deterministic: the order of the documents decides it."""
-
-    context_length: int
-    bos: int | None
-    separator: int | None
-
-    @property
-    def content(self) -> int:
-        """Stream tokens per context."""
-        return self.context_length - (self.bos is not None)
-
-    @property
-    def gap(self) -> int:
-        return int(self.separator is not None)
-
-    def stream_length(self, lengths: np.ndarray) -> int:
-        """Tokens in the stream: every document's, and a separator between two non-empty ones."""
-        filled = int((lengths > 0).sum())
-        return int(lengths.sum()) + self.gap * max(0, filled - 1)
-
-    def num_contexts(self, lengths: np.ndarray) -> int:
-        return self.stream_length(lengths) // self.content
-
-    def record(self) -> dict[str, Any]:
-        return {"context_length": self.context_length, "bos": self.bos, "separator": self.separator}
 
 
 @dataclass
@@ -114,31 +84,18 @@ class Corpus:
         return offsets
 
     @property
-    def tail_tokens(self) -> int:
-        """Packed: the stream's last tokens, too few for a context, dropped."""
-        if self.packing is None:
-            return 0
-        packing = self.packing
-        return packing.stream_length(self.lengths) - packing.num_contexts(self.lengths) * packing.content
-
-    def pack_record(self) -> dict[str, Any] | None:
-        """What a packed store records of its packing (``Features.pack``); None when not packed."""
-        if self.packing is None:
-            return None
-        return {
-            **self.packing.record(),
-            "contexts": len(self.offsets) - 1,
-            "dropped_tokens": self.tail_tokens,
-            "source_documents": self.num_source_documents,
-        }
+    def pack(self) -> PackInfo | None:
+        """The packing with what it made of this corpus (contexts, dropped tail); None when not packed."""
+        return None if self.packing is None else self.packing.cut(self.lengths)
 
     def notes(self, context_length: int) -> list[str]:
         """What the user should know about the tokenization, one line each."""
         notes = []
-        if self.packing is not None:
+        if self.pack is not None:
             notes.append(
                 f"extract: packed {self.num_source_documents} documents into {len(self.offsets) - 1} contexts of "
-                f"{context_length} tokens; the last {self.tail_tokens} tokens, too few for a context, were dropped"
+                f"{context_length} tokens; the last {self.pack.dropped_tokens} tokens, too few for a context, "
+                "were dropped"
             )
         if self.truncated:
             notes.append(
@@ -230,6 +187,18 @@ class RowSlice:
         if self.doc is not None and self.doc_position is not None:
             columns.update(doc=self.doc[at], doc_position=self.doc_position[at])
         return columns
+
+
+@dataclass
+class ArrayRows:
+    """Token rows read from an array of ids (a finished store's ``token_ids``, or ids in memory), for tools
+    that rebuild a job's batches without its source."""
+
+    token_ids: Any
+
+    def rows(self, start: int, stop: int) -> RowSlice:
+        ids = np.asarray(self.token_ids[start:stop], dtype=np.int32)
+        return RowSlice(start, ids, np.zeros(len(ids), bool))
 
 
 @dataclass

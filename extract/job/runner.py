@@ -31,6 +31,7 @@ from ..data.text import TextSource
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
 from ..models.hf_text import input_device
+from ..names import Kind
 from ..store.chunks import Plan
 from ..store.schema import JobParts, codecs
 from ..store.store import FeatureStore, saved_index
@@ -47,7 +48,6 @@ from .spec import JobSpec
 from .text_stage import TextJob, prepare_text, text_loop
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ROWS = {"img": "samples", "doc": "documents", "tok": "tokens"}  # what a row is, in messages
 Log = Callable[[str], None]
 
 
@@ -60,7 +60,7 @@ class Summary:
     bytes_stored: int
     raw_bytes: int
     invalid: int = 0
-    unit: str = "img"  # what a row is: img, doc or tok
+    kind: Kind = Kind.IMAGES  # what a row is
     truncation: dict[str, int] | None = None  # text: documents truncated and tokens dropped, when tokenized now
 
     @property
@@ -84,11 +84,11 @@ class Summary:
         }
 
     def line(self) -> str:
-        what = "documents" if self.unit != "img" else "images"
+        what = "documents" if self.kind.text else "images"
         skipped = f"; {self.invalid} bad {what} skipped (valid=False)" if self.invalid else ""
-        rows = ROWS[self.unit]
+        rows, unit = self.kind.rows, self.kind.unit
         return (
-            f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.images_per_second:.1f} {self.unit}/s); "
+            f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.images_per_second:.1f} {unit}/s); "
             f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
             f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
         )
@@ -160,8 +160,8 @@ class _Job:
     text: TextJob | None = None
 
     @property
-    def unit(self) -> str:
-        return "img" if self.text is None else "tok" if self.text.per_token else "doc"
+    def kind(self) -> Kind:
+        return Kind.IMAGES if self.text is None else self.text.kind
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -303,7 +303,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
             "tokenization": text.record,
             "num_documents": text.num_documents,
             "num_tokens": text.num_tokens,
-            "pack": text.corpus.pack_record(),
+            "pack": None if text.corpus.pack is None else text.corpus.pack.record(),
         }
     return JobParts(
         text=text_parts,
@@ -463,7 +463,7 @@ def _create(job: _Job, out: Path | str, writer: str) -> FeatureStore:
     """The new store at ``out`` (``--out`` with links resolved), its ``writer`` the lock's token from the
     first instant (``store/fence.py``)."""
     plan, spec, text = job.plan, job.spec, job.text
-    kind, arrays = ("images", None) if text is None else (text.kind, text.arrays())
+    kind, arrays = (Kind.IMAGES, None) if text is None else (text.kind, text.arrays())
     return FeatureStore.create(
         out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
@@ -478,7 +478,7 @@ def _share(
     """The chunks still to write and each rank's share of them, recorded as this run in the store."""
     main, plan = job.state.is_main_process, job.plan
     pending = store.pending_chunks()
-    if main and resume and job.unit != "tok":  # keys are written at creation: restore those of chunks to redo
+    if main and resume and job.kind is not Kind.TOKENS:  # keys are written at creation: restore those of chunks to redo
         store.write_keys(pending, job.data.dataset.keys())
     if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
         store.rewrite_documents(job.text.arrays(), job.data.dataset.keys(), job.text.rewrite)
@@ -523,7 +523,7 @@ def _extract(
     raises once the lock is lost."""
     state, plan = job.state, job.plan
     main = state.is_main_process
-    progress = JobProgress(store, plan, pending, enabled=main, own=share, unit=job.unit)
+    progress = JobProgress(store, plan, pending, enabled=main, own=share, unit=job.kind.unit)
     started = time.time()
     try:
         (_loop if job.text is None else text_loop)(job, store, share, edit, stop, progress.advance, held)
@@ -544,6 +544,6 @@ def _extract(
         bytes_stored=store.stored_bytes() if main else 0,
         raw_bytes=plan.num_samples * job.sample_bytes,
         invalid=int((~store.array("valid")[:]).sum()) if main else 0,
-        unit=job.unit,
+        kind=job.kind,
         truncation=None if job.text is None else job.text.truncation(),
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..data.tokenize import RowSlice, TokenRows
+from ..data.tokenize import ArrayRows, RowSlice, TokenRows
 from ..store.chunks import Plan
 
 WINDOW_CHUNKS = 4  # the fewest chunks whose documents are sorted by length together
@@ -79,7 +79,7 @@ class TextBatches:
     def __init__(
         self,
         offsets: np.ndarray,
-        rows: TokenRows,
+        rows: TokenRows | ArrayRows,
         plan: Plan,
         chunks: Sequence[int],
         *,
@@ -100,7 +100,7 @@ class TextBatches:
     def for_job(
         cls,
         offsets: np.ndarray,
-        rows: TokenRows,
+        rows: TokenRows | ArrayRows,
         plan: Plan,
         chunks: Sequence[int],
         *,

@@ -16,9 +16,10 @@ from ..capture.hooks import Capture, Edit
 from ..capture.setup import TextLayerSetup
 from ..capture.staging import HostStaging
 from ..data.source import TextSource
-from ..data.tokenize import Corpus, PackInfo, TokenRows, survey
+from ..data.tokenize import Corpus, TokenRows, survey
 from ..errors import ExtractError
 from ..models.hf_text import input_device
+from ..names import Kind, PackInfo
 from ..store.store import FeatureStore, TextArrays
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, StopRequests
@@ -48,9 +49,9 @@ class TextJob:
         self.offsets = self.corpus.offsets
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         """The store's kind: one row per token, or one pooled row per document."""
-        return "tokens" if self.per_token else "documents"
+        return Kind.TOKENS if self.per_token else Kind.DOCUMENTS
 
     @property
     def packing(self) -> PackInfo | None:
@@ -118,7 +119,7 @@ def prepare_text(
     record = {
         "tokenizer": loaded.tokenizer_record(),
         "context_length": context,
-        **({"pack": packing.record()} if packing is not None else {}),
+        **({"pack": packing.identity()} if packing is not None else {}),
         "text_key": spec.text_key,
         "label_key": spec.label_key,
         "data": dataset.spec,
@@ -147,7 +148,7 @@ def prepare_text(
     if job.num_tokens == 0:
         if packing is not None:
             raise ExtractError(
-                f"--data {spec.data} has {corpus.tail_tokens} tokens, too few for one context of --pack "
+                f"--data {spec.data} has {corpus.pack.dropped_tokens if corpus.pack else 0} tokens, too few for one context of --pack "
                 f"{spec.pack}; give more text or a smaller --pack"
             )
         raise ExtractError(f"--data {spec.data} has no tokens: every document is empty; point it at text")

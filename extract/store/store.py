@@ -26,6 +26,7 @@ from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
 from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
+from ..names import Kind
 from . import objects, remote, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, lost_lock, writer_of
@@ -60,20 +61,18 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None, row: str =
     return (row, *(f"{layer}.{n}" for n in names))
 
 
-KINDS = ("images", "documents", "tokens")
-ROW_NAMES = {"images": "sample", "documents": "document", "tokens": "token"}
 TEXT_ARRAYS = ("offsets",)
 TOKEN_ARRAYS = ("token_ids", "special")
 PACKED_ARRAYS = ("doc", "doc_position")
 TEXT_CHUNK = 2**16  # rows per chunk of the per-document and token-id arrays where they are not row arrays
 
 
-def row_arrays(kind: str, layers: Iterable[str], keys: bool = True, packed: bool = False) -> list[str]:
+def row_arrays(kind: Kind, layers: Iterable[str], keys: bool = True, packed: bool = False) -> list[str]:
     """The arrays with one row per stored row (chunked like the features, written per chunk), in the
     order of the ``digests`` columns: a token store's rows are tokens, its labels are per document
     (``packed``: per context, and each token has its source document and position)."""
     features = [f"features/{layer}" for layer in layers]
-    if kind == "tokens":
+    if kind is Kind.TOKENS:
         return [*features, *TOKEN_ARRAYS, *(PACKED_ARRAYS if packed else ())]
     return [*features, "labels", "valid", *(["keys"] if keys else [])]
 
@@ -113,13 +112,13 @@ class TextArrays:
         return int(self.offsets[-1])
 
 
-def document_arrays(kind: str, packed: bool, keys: bool) -> list[str]:
+def document_arrays(kind: Kind, packed: bool, keys: bool) -> list[str]:
     """The arrays written whole at creation and never per chunk, whose objects' digests the store
     records then (``document_digests``): a token store's per-document arrays; a document store's
     offsets (its labels, valid and keys are row arrays, under the per-chunk digests)."""
-    if kind == "tokens":
+    if kind is Kind.TOKENS:
         return ["offsets", "labels", "valid", *(["keys"] if keys else []), *(["source_lengths"] if packed else [])]
-    return ["offsets"] if kind == "documents" else []
+    return ["offsets"] if kind is Kind.DOCUMENTS else []
 
 
 def _object_keys(array: zarr.Array) -> list[str]:
@@ -292,7 +291,7 @@ class _Skeleton:
     layouts: dict[str, str | None]
     keys: Sequence[str] | None
     indexes: dict[str, bytes]
-    kind: str = "images"
+    kind: Kind = Kind.IMAGES
     text: TextArrays | None = None
 
     def build(self, path: Path | zarr.abc.store.Store, attrs: dict[str, Any]) -> None:
@@ -341,7 +340,7 @@ class _Skeleton:
                 dtype=self.dtype,
                 fill_value=np.nan,
                 compressors=checked(codecs(self.compressor)),
-                dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), ROW_NAMES[self.kind]),
+                dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), self.kind.row),
             )
 
     def _stats(self, root: zarr.Group, num_chunks: int) -> list[str]:
@@ -382,7 +381,7 @@ class _Skeleton:
         token store's token rows (``token_ids``, ``special``; packed: ``doc``, ``doc_position``) are
         chunked like the features and left empty: each chunk's owner writes them with the chunk. A
         document store keeps its documents' lengths (``offsets``), not their token ids."""
-        tokens = self.kind == "tokens"
+        tokens = self.kind is Kind.TOKENS
         zstd = checked(codecs("zstd"))
 
         def whole(name: str, values: np.ndarray, dimension: str, rows: bool, **options: Any) -> None:
@@ -452,7 +451,7 @@ class FeatureStore:
         layouts: Mapping[str, str | None] | None = None,
         keys: Sequence[str] | None = None,
         indexes: Mapping[str, bytes] | None = None,
-        kind: str = "images",
+        kind: Kind = Kind.IMAGES,
         text: TextArrays | None = None,
     ) -> FeatureStore:
         """Build the store beside ``path`` and rename it into place: a kill or a full disk at any instant
@@ -461,7 +460,7 @@ class FeatureStore:
         ``indexes`` are saved listings (name -> bytes) kept in the skeleton for a resume (the shard index)."""
         skeleton = _Skeleton(
             dict(shapes), num_samples, chunk_size, dtype, compressor, dict(layouts or {}), keys, dict(indexes or {}),
-            kind, text,
+            Kind(kind), text,
         )  # fmt: skip
         if is_url(path):
             return cls._create_remote(str(path), skeleton, attrs, overwrite)
@@ -561,14 +560,16 @@ class FeatureStore:
         n, c = attrs.get("num_samples"), attrs.get("chunk_size")
         if not (type(n) is int and type(c) is int and n >= 1 and c >= 1):
             raise StoreDamagedError(f"{self.path}: num_samples {n!r} and chunk_size {c!r} must be positive integers")
-        kind = attrs.get("kind", "images")
-        if kind not in KINDS:
-            raise StoreDamagedError(f"{self.path}: kind {kind!r} is not one of {', '.join(KINDS)}")
+        try:
+            kind = Kind.of(attrs)
+        except ValueError:
+            known = ", ".join(Kind)
+            raise StoreDamagedError(f"{self.path}: kind {attrs.get('kind')!r} is not one of {known}") from None
         expected = {f"features/{layer}": None for layer in attrs.get("layers", [])}
         expected.update(labels=None, valid=None)
-        if kind != "images":
+        if kind.text:
             expected.update(dict.fromkeys(TEXT_ARRAYS))
-        if kind == "tokens":
+        if kind is Kind.TOKENS:
             expected.update(dict.fromkeys(TOKEN_ARRAYS))
         packed = attrs.get("pack") is not None
         if packed:
@@ -616,9 +617,9 @@ class FeatureStore:
         return [(f"{STATS}/{layer}", self.array(f"{STATS}/{layer}")) for layer in self.stats_layers() or []]
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         """``images``, ``documents`` (text pooled per document) or ``tokens`` (one row per token)."""
-        return self.attrs.get("kind", "images")
+        return Kind.of(self.attrs)
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -695,10 +696,10 @@ class FeatureStore:
     def sample_arrays(self) -> Iterator[tuple[str, zarr.Array]]:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
         attrs = self.attrs
-        n, kind = attrs["num_samples"], attrs.get("kind", "images")
+        n, kind = attrs["num_samples"], Kind.of(attrs)
         rows = set(row_arrays(kind, attrs.get("layers", []), packed=attrs.get("pack") is not None))
         for name, member in self._members():
-            if kind != "images":
+            if kind.text:
                 if name in rows:
                     yield name, self.array(name)
             elif name not in ("done", DIGESTS) and member.shape[:1] == (n,):

@@ -13,6 +13,7 @@ import torch
 
 from ..capture.staging import HostStaging, Slot
 from ..errors import LockLostError
+from ..names import Kind
 from .chunks import Plan, chunk_segments
 from .location import described, from_object_storage
 from .store import FeatureStore
@@ -67,8 +68,8 @@ class ChunkWriter:
         threads: int = 1,
     ) -> None:
         self.store, self.staging, self.plan = store, staging, plan
-        self.rows_only = store.kind != "images"  # text stores: labels and valid were written at creation
-        self.needs_columns = store.kind == "tokens"  # a token chunk is written with its token rows
+        self.rows_only = store.kind.text  # text stores: labels and valid were written at creation
+        self.needs_columns = store.kind is Kind.TOKENS  # a token chunk is written with its token rows
         self.shapes = dict(shapes)
         self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
         self.threads = threads

@@ -1,0 +1,98 @@
+"""The vocabulary every stage shares, importing no stage: what a store's rows are (``Kind``) and how a
+packed store's contexts were cut (``PackInfo``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+
+class Kind(StrEnum):
+    """What a store's rows are: images (or any sample), text documents pooled one row each, or tokens.
+    A ``StrEnum``: it is the string the store's ``kind`` attribute holds."""
+
+    IMAGES = "images"
+    DOCUMENTS = "documents"
+    TOKENS = "tokens"
+
+    @classmethod
+    def of(cls, attrs: dict[str, Any]) -> Kind:
+        """The kind a store's attributes record (stores from before kinds hold images)."""
+        return cls(attrs.get("kind", cls.IMAGES))
+
+    @property
+    def text(self) -> bool:
+        return self is not Kind.IMAGES
+
+    @property
+    def row(self) -> str:
+        """The name of the rows' axis: ``sample``, ``document`` or ``token``."""
+        return {"images": "sample", "documents": "document", "tokens": "token"}[self.value]
+
+    @property
+    def rows(self) -> str:
+        """The rows in messages: ``samples``, ``documents`` or ``tokens``."""
+        return {"images": "samples", "documents": "documents", "tokens": "tokens"}[self.value]
+
+    @property
+    def unit(self) -> str:
+        """The rate's unit in the progress bar and the summary: ``img``, ``doc`` or ``tok``."""
+        return {"images": "img", "documents": "doc", "tokens": "tok"}[self.value]
+
+
+@dataclass(frozen=True)
+class PackInfo:
+    """``--pack T``: the documents' content tokens concatenated, ``separator`` between two documents,
+    cut into contexts of exactly T tokens that each start with ``bos`` (where the model has one); the
+    tail too short for a context is dropped. Deterministic: the order of the documents decides it.
+    A store records it with the counts of what came of it (``record``; ``Features.pack``)."""
+
+    context_length: int
+    bos: int | None
+    separator: int | None
+    contexts: int | None = field(default=None, compare=False)  # what came of it, once known
+    dropped_tokens: int | None = field(default=None, compare=False)
+    source_documents: int | None = field(default=None, compare=False)
+
+    @property
+    def content(self) -> int:
+        """Stream tokens per context."""
+        return self.context_length - (self.bos is not None)
+
+    @property
+    def gap(self) -> int:
+        return int(self.separator is not None)
+
+    def stream_length(self, lengths: np.ndarray) -> int:
+        """Tokens in the stream: every document's, and a separator between two non-empty ones."""
+        filled = int((lengths > 0).sum())
+        return int(lengths.sum()) + self.gap * max(0, filled - 1)
+
+    def num_contexts(self, lengths: np.ndarray) -> int:
+        return self.stream_length(lengths) // self.content
+
+    def cut(self, lengths: np.ndarray) -> PackInfo:
+        """This packing with the counts of what it makes of documents of ``lengths`` content tokens."""
+        contexts = self.num_contexts(lengths)
+        dropped = self.stream_length(lengths) - contexts * self.content
+        return PackInfo(self.context_length, self.bos, self.separator, contexts, dropped, len(lengths))
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the contexts: part of the job's identity."""
+        return {"context_length": self.context_length, "bos": self.bos, "separator": self.separator}
+
+    def record(self) -> dict[str, Any]:
+        """The store's ``pack`` attribute."""
+        return {
+            **self.identity(),
+            "contexts": self.contexts,
+            "dropped_tokens": self.dropped_tokens,
+            "source_documents": self.source_documents,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> PackInfo:
+        return cls(**{name: record.get(name) for name in cls.__dataclass_fields__})  # type: ignore[arg-type]
