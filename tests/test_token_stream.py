@@ -223,3 +223,31 @@ def test_a_lost_chunk_is_named_not_streamed_as_nan(stores, tmp_path):
     with pytest.raises(StoreDamagedError, match=r"layer 'transformer.h.0', chunk 5 \(samples 320-383\) is missing"):
         for _ in TokenStream(damaged, LAYERS[0], 32, threads=2):
             pass
+
+
+@pytest.mark.parametrize("name", ["packed", "ragged"])
+def test_the_text_view_and_the_old_names_agree(stores, name, tmp_path):
+    f = open_features(stores[name])
+    view = f.text
+    assert view is f.text and f.pack == view.pack and (view.pack is not None) == (name == "packed")
+    for accessor in ("offsets", "token_ids", "special", "token_documents", "token_positions"):
+        assert np.array_equal(getattr(f, accessor), getattr(view, accessor)), accessor
+    if name == "packed":
+        assert np.array_equal(f.doc, view.doc) and np.array_equal(f.doc_position, view.doc_position)
+    else:
+        with pytest.raises(ExtractError, match="is not packed; 'doc' belongs to stores extracted with --pack"):
+            f.doc  # noqa: B018
+    assert f.num_documents == view.num_documents == len(f.offsets) - 1
+    picked = slice(70, 200)
+    assert np.array_equal(f.load_token_ids(picked), view.load_token_ids(picked))
+    assert np.array_equal(view.load_token_ids(picked), view.token_ids[picked])
+    assert np.array_equal(f.documents_of(picked), view.documents_of(picked))
+    assert np.array_equal(f.documents_of(np.array([0, 64, 300])), view.token_documents[[0, 64, 300]])
+    assert np.array_equal(f.document(3, LAYERS[0]), view.document(3, LAYERS[0]))
+    assert np.array_equal(view.document(-1, LAYERS[0]), f.load(LAYERS[0], slice(int(f.offsets[-2]), None)))
+    images = array_store(tmp_path / "i.zarr", {"fc": np.zeros((10, 4), np.float32)}, np.zeros(10, np.int64), 4)
+    image_features = open_features(images)
+    assert image_features.pack is None  # as before the view: an image store is not packed
+    for read in (lambda: image_features.text, lambda: image_features.offsets, lambda: image_features.document(0)):
+        with pytest.raises(ExtractError, match=r"is an image store; offsets, token ids and documents belong to text"):
+            read()

@@ -1,9 +1,10 @@
-"""Reading a store: ``Features`` / ``open_features`` for numpy, zarr and torch, and the map-style torch
-dataset and chunk-window sampler for training on stored features, and ``TokenStream``, shuffled batches of
-a token store's rows."""
+"""Reading a store: ``Features`` / ``open_features`` for numpy, zarr and torch (``Features.text``, a
+``TextView``, for a text store's tokens), and the map-style torch dataset and chunk-window sampler for
+training on stored features, and ``TokenStream``, shuffled batches of a token store's rows."""
 
 from .dataset import ChunkShuffleSampler, FeatureDataset
 from .features import Features, open_features
+from .text_view import TextView
 from .tokens import TokenStream
 
-__all__ = ["ChunkShuffleSampler", "FeatureDataset", "Features", "TokenStream", "open_features"]
+__all__ = ["ChunkShuffleSampler", "FeatureDataset", "Features", "TextView", "TokenStream", "open_features"]

@@ -19,11 +19,13 @@ from zarr.buffer.cpu import NDBuffer
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
 from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
+from ..store import objects
 from ..store.chunks import Plan
 from ..store.location import from_object_storage, is_url, storage_error
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore, decodes
+from .text_view import TextView
 
 Index = slice | Sequence[int] | np.ndarray | None
 T = TypeVar("T")
@@ -31,6 +33,10 @@ T = TypeVar("T")
 # Rows are decoded this many bytes at a time: zarr decodes the chunks of one read concurrently, and
 # a bounded block keeps pooling and dtype conversion from ever holding a whole unpooled layer.
 READ_BLOCK_BYTES = 64 * 2**20
+
+# A chunk of a complete store whose done flag is False: every chunk was marked done before the status said
+# complete, so the flag's object was lost or torn since (``verify`` says the same, and --repair clears it).
+NOT_DONE = "is not marked done in a complete store (its done flag was lost or fails its check)"
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,16 @@ def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iter
             yield block
 
 
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+
+
+def _object_rows(array: zarr.Array, chunk: int) -> tuple[int, int]:
+    """The rows [start, stop) of a 1-D ``array``'s object ``chunk``."""
+    start = chunk * array.chunks[0]
+    return start, min(start + array.chunks[0], array.shape[0])
+
+
 def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
     """An uninitialized tensor in numpy's memory: numpy asks for transparent huge pages for large
     arrays, so filling it page-faults far less than filling a ``torch.empty`` (2x faster here)."""
@@ -159,11 +175,14 @@ class Features:
     ``layers``, ``shapes`` (per-sample feature shape) and ``dtypes`` describe the stored layers;
     ``labels`` is (N,) int64 with -1 where the dataset had none; ``attrs`` is the job's metadata;
     ``present`` marks the samples written so far (all of them when ``complete``), ``valid`` those of
-    them whose image could be read.
+    them whose image could be read. A text store's token-level accessors (offsets, token ids, documents,
+    packing) are ``text``, a ``TextView``; their old names here are the view's.
     """
 
     path: Path | str  # a URL for a store on object storage
     store: FeatureStore = field(repr=False)
+    # per array written whole at creation: whether all its objects are stored (one listing, at its first read)
+    _whole_objects: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -202,19 +221,11 @@ class Features:
         """``images``, ``documents`` (text, one pooled row per document) or ``tokens`` (one row per token)."""
         return self.store.kind
 
-    @property
-    def pack(self) -> dict[str, Any] | None:
-        """A packed token store's packing (``--pack T``): ``context_length`` T, ``contexts``, ``bos`` and
-        ``separator`` ids (None where the model has none), ``dropped_tokens`` (the last short context) and
-        ``source_documents``; None for any other store. Its samples are the contexts, and the per-token
-        ``doc`` and ``doc_position`` map each token back to its source document."""
-        return self.attrs.get("pack")
-
     @cached_property
     def labels(self) -> np.ndarray:
         """(N,) int64, -1 where the data had none; in a token store (N_docs,): labels are per document."""
         if self.kind == "tokens":
-            return self._per_document("labels")
+            return self._whole("labels")
         every = range(self.num_chunks)
         return self._checked("labels", "labels", every, lambda: self.store.array("labels")[:])
 
@@ -225,108 +236,64 @@ class Features:
         if not self.store.has("keys"):
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind == "tokens":
-            return self._per_document("keys")
+            return self._whole("keys")
         return self._checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
 
-    def _per_document(self, name: str) -> np.ndarray:
-        """A token store's per-document array, written whole at creation."""
-        try:
-            return self.store.array(name)[:]
-        except ValueError as e:  # a codec's complaint about a damaged object
-            raise StoreDamagedError(
-                f"{self.path}: '{name}' fails its check ({e}); the store is damaged: rerun the job with --overwrite"
-            ) from None
-
-    def _text_array(self, name: str) -> np.ndarray:
+    @cached_property
+    def text(self) -> TextView:
+        """A text store's token-level accessors (offsets, token ids, documents, packing): ``TextView``."""
         if self.kind == "images":
             raise ExtractError(
-                f"{self.path} is an image store; {name} belong to text stores (kind tokens or documents)"
+                f"{self.path} is an image store; offsets, token ids and documents belong to text stores "
+                "(kind tokens or documents): open one of those for features.text"
             )
-        return self._per_document(name)
+        return TextView(self)
 
-    @cached_property
+    # The text accessors' old names, kept: each is the view's (see TextView for what it returns).
+    @property
+    def pack(self) -> dict[str, Any] | None:
+        return None if self.kind == "images" else self.text.pack  # an image store was never packed
+
+    @property
     def offsets(self) -> np.ndarray:
-        """(N_docs + 1,) int64: document i is tokens ``offsets[i]:offsets[i+1]`` (its rows, in a token store)."""
-        return self._text_array("offsets")
+        return self.text.offsets
 
-    @cached_property
+    @property
     def token_ids(self) -> np.ndarray:
-        """(N_tokens,) int32: every document's token ids as the model saw them, special tokens included."""
-        return self._text_array("token_ids")
+        return self.text.token_ids
 
     def load_token_ids(self, tokens: slice) -> np.ndarray:
-        """(n,) int32: the token ids of the tokens ``tokens`` picks, read now from the chunks that hold
-        them (``token_ids`` reads every token's and keeps them)."""
-        if self.kind == "images":
-            raise ExtractError(
-                f"{self.path} is an image store; token ids belong to text stores (kind tokens or documents)"
-            )
-        array = self.store.array("token_ids")
-        try:
-            return np.asarray(array[slice(*tokens.indices(array.shape[0]))])
-        except ValueError as e:  # a codec's complaint about a damaged object
-            raise StoreDamagedError(
-                f"{self.path}: 'token_ids' fails its check ({e}); the store is damaged: rerun the job with --overwrite"
-            ) from None
+        return self.text.load_token_ids(tokens)
 
-    @cached_property
+    @property
     def special(self) -> np.ndarray:
-        """(N_tokens,) bool: the tokenizer's special tokens (BOS, CLS, SEP...), for readers to drop."""
-        return self._text_array("special")
+        return self.text.special
 
-    @cached_property
+    @property
     def doc(self) -> np.ndarray:
-        """(N_tokens,) int32, packed stores (``--pack``): each token's source document (an index into
-        ``keys``), -1 for the BOS and separators packing inserted."""
-        return self._packed_array("doc")
+        return self.text.doc
 
-    @cached_property
+    @property
     def doc_position(self) -> np.ndarray:
-        """(N_tokens,) int32, packed stores: each token's position among its source document's content
-        tokens, -1 for inserted ones."""
-        return self._packed_array("doc_position")
-
-    def _packed_array(self, name: str) -> np.ndarray:
-        if self.pack is None:
-            raise ExtractError(
-                f"{self.path} is not packed; '{name}' belongs to stores extracted with --pack (its rows' "
-                "documents are token_documents)"
-            )
-        return self._text_array(name)
+        return self.text.doc_position
 
     @property
     def num_documents(self) -> int:
-        return len(self.offsets) - 1
+        return self.text.num_documents
 
-    @cached_property
+    @property
     def token_documents(self) -> np.ndarray:
-        """(N_tokens,) int64: the document of each token (``documents_of`` for a few of them)."""
-        return np.repeat(np.arange(self.num_documents), np.diff(self.offsets))
+        return self.text.token_documents
 
     def documents_of(self, tokens: slice | np.ndarray) -> np.ndarray:
-        """The document of each token ``tokens`` picks (a slice or token indices), without the whole map."""
-        if isinstance(tokens, slice):
-            tokens = np.arange(*tokens.indices(int(self.offsets[-1])))
-        return np.searchsorted(self.offsets, np.asarray(tokens), side="right") - 1
+        return self.text.documents_of(tokens)
 
-    @cached_property
+    @property
     def token_positions(self) -> np.ndarray:
-        """(N_tokens,) int64: each token's position in its document."""
-        return np.arange(int(self.offsets[-1])) - self.offsets[:-1][self.token_documents]
+        return self.text.token_positions
 
     def document(self, index: int, layer: str | None = None, **load: Any) -> np.ndarray | torch.Tensor:
-        """Document ``index``'s rows of ``layer`` (the only layer when None): (its tokens, D) in a token
-        store, read chunk-wise like ``load`` (which takes the same keyword arguments)."""
-        if self.kind != "tokens":
-            raise ExtractError(f"{self.path} is a {self.kind} store; document(i) reads a token store's rows (use load)")
-        if not -self.num_documents <= index < self.num_documents:
-            raise SampleIndexError(f"document {index} is out of range for {self.num_documents} documents")
-        index %= self.num_documents
-        if layer is None:
-            if len(self.layers) != 1:
-                raise ExtractError(f"name the layer: {self.path} has {', '.join(self.layers)}")
-            layer = self.layers[0]
-        return self.load(layer, slice(int(self.offsets[index]), int(self.offsets[index + 1])), **load)
+        return self.text.document(index, layer, **load)
 
     @property
     def classes(self) -> list[str] | None:
@@ -345,7 +312,7 @@ class Features:
         ``--skip-bad-images`` is stored as NaN with valid False. In a token store (N_docs,): the documents
         that could be read (one that could not has no tokens)."""
         if self.kind == "tokens":
-            return self._per_document("valid")
+            return self._whole("valid")
         every = range(self.num_chunks)
         return self._checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
 
@@ -359,12 +326,18 @@ class Features:
         return self.store.missing_objects(np.flatnonzero(self._done).tolist())
 
     def _checked(self, name: str, what: str, chunks: Iterable[int], read: Callable[[], T]) -> T:
-        """``read()``, unless a done chunk among ``chunks`` of array ``name`` is missing or fails its
-        checksum: then an error naming ``what`` and the chunk, instead of NaN rows or a codec trace."""
+        """``read()``, unless one of ``chunks`` of array ``name`` is damaged: a done chunk whose object is
+        missing or fails its checksum, or, in a complete store, a chunk not marked done (every chunk was,
+        so its flag was lost or torn since, and its objects may have gone with it: they would read as
+        NaN). Then an error naming ``what`` and the chunk, instead of NaN rows or a codec trace."""
         chunks = list(chunks)
+        complete = self.complete
         try:
             for k in chunks:
-                if self._done[k] and name in self._lost.get(k, ()):
+                if not self._done[k]:
+                    if complete:
+                        raise self._damaged(what, k, NOT_DONE)
+                elif name in self._lost.get(k, ()):
                     raise self._damaged(what, k, "is missing")
             return read()
         except ExtractError:
@@ -378,8 +351,45 @@ class Features:
             )
             if bad is None:
                 raise
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            raise self._damaged(what, bad, f"fails its check ({type(e).__name__}: {first})") from None
+            raise self._damaged(what, bad, f"fails its check ({_first_line(e)})") from None
+
+    def _whole(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        """Rows ``rows`` of ``name``, an array written whole when the store was created (a text store's
+        ``offsets``; a token store's ``labels``, ``valid`` and ``keys``; a document store's ``token_ids``
+        and ``special``), unless one of its objects fails its checksum or is missing: every object is
+        stored (write_empty_chunks), so an absent one was lost and would read as the fill value."""
+        array = self.store.array(name)
+        try:
+            values = np.asarray(array[rows])
+        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the object
+            if from_object_storage(e):  # an outage past the retries: not damage
+                raise storage_error(str(self.path), e) from None
+            bad = next((k for k in range(array.nchunks) if not decodes(array, *_object_rows(array, k))), None)
+            if bad is None:
+                raise
+            raise self._unrepairable(array, bad, f"fails its check ({_first_line(e)})") from None
+        if name not in self._whole_objects:  # zarr counts the stored objects: one listing per array
+            self._whole_objects[name] = array.nchunks_initialized == array.nchunks
+        if not self._whole_objects[name]:
+            raise self._unrepairable(array, self._absent_object(array), "is missing")
+        return values
+
+    def _absent_object(self, array: zarr.Array) -> int:
+        """The first of ``array``'s objects that is not stored (one listing; only once one is known lost)."""
+        if array.nchunks == 1:
+            return 0
+        stored = objects.listed(self.store.group.store, f"{array.path}/")
+        return next(k for k in range(array.nchunks) if self.store.chunk_key(array, k) not in stored)
+
+    def _unrepairable(self, array: zarr.Array, chunk: int, problem: str) -> StoreDamagedError:
+        # verify checks (and --repair clears) the objects written per chunk; these were written once, at
+        # the store's creation, and nothing but a new store writes them again
+        start, stop = _object_rows(array, chunk)
+        return StoreDamagedError(
+            f"{self.path}: '{array.path}', object {self.store.chunk_key(array, chunk)} (rows {start}-{stop - 1}) "
+            f"{problem}; it was written when the store was created and verify --repair cannot restore it: "
+            "rerun the job's command with --overwrite"
+        )
 
     def _damaged(self, what: str, chunk: int, problem: str) -> StoreDamagedError:
         start, stop = Plan(self.num_samples, self.chunk_size).bounds(chunk)
@@ -475,6 +485,8 @@ class Features:
                 "only; extract it with --pool to have them, or compute them from load()"
             )
         name = f"{STATS}/{layer}"
+        if self.complete and not self._done.all():  # statistics merged over fewer chunks would look whole
+            raise self._damaged(f"statistics of layer '{layer}'", int(np.argmin(self._done)), NOT_DONE)
         done = np.flatnonzero(self._done).tolist()
         if lost := sorted(set(done) - self.store.stored_chunks(name, done)):  # one listing of this array
             raise self._damaged(f"statistics of layer '{layer}'", lost[0], "are missing")
@@ -485,8 +497,7 @@ class Features:
             bad = next((k for k in done if not decodes(rows, k, k + 1)), None)
             if bad is None:
                 raise
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            raise self._damaged(f"statistics of layer '{layer}'", bad, f"fail their check ({first})") from None
+            raise self._damaged(f"statistics of layer '{layer}'", bad, f"fail their check ({_first_line(e)})") from None
         return merge_stats(recorded, rows.attrs["columns"], self.shapes[layer])
 
     def layout(self, layer: str) -> str | None:

@@ -206,11 +206,14 @@ class TokenStream(IterableDataset):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_chunks)
         return order[self.rank :: self.world_size][worker::num_workers]
 
-    def _kept_by_position(self, features: Features, start: int, stop: int) -> np.ndarray:
-        """The rows start..stop-1 that ``special`` and ``first:K`` keep."""
+    def _kept_by_position(self, features: Features, chunk: int) -> np.ndarray:
+        """The rows of chunk ``chunk`` that ``special`` and ``first:K`` keep."""
+        start, stop = self._bounds(chunk)
         keep = np.ones(stop - start, dtype=bool)
         if self.rules.special:
-            keep &= ~np.asarray(features.store.array("special")[start:stop], dtype=bool)
+            special = features.store.array("special")
+            flags = features._checked("special", "special tokens", [chunk], lambda: special[start:stop])
+            keep &= ~np.asarray(flags, dtype=bool)
         if self.rules.first:
             offsets = features.offsets
             rows = np.arange(start, stop)
@@ -234,7 +237,7 @@ class TokenStream(IterableDataset):
         norms: dict[str, list[np.ndarray]] = {layer: [] for layer in self.layers}
         for chunk in sample:
             start, stop = self._bounds(chunk)
-            keep = self._kept_by_position(features, start, stop)
+            keep = self._kept_by_position(features, chunk)
             for layer in self.layers:
                 array = features.array(layer)
                 values = self._read_stored(
@@ -342,7 +345,7 @@ class TokenStream(IterableDataset):
         """Read chunk ``chunk`` of every layer into rows ``at:`` of ``buffers``, converted to ``dtype``, and
         return the mask of its rows the rules keep."""
         start, stop = self._bounds(chunk)
-        keep = self._kept_by_position(features, start, stop)
+        keep = self._kept_by_position(features, chunk)
         for layer in self.layers:
             array = features.array(layer)
             target = buffers[layer][at : at + stop - start]
