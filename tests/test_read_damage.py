@@ -167,7 +167,10 @@ def test_a_damaged_per_document_object_is_named_with_its_fix(stores, tmp_path, n
         message = str(error.value)
         assert "\n" not in message and f"{path}: '{name}', object {name}/c/0 (rows 0-" in message, message
         assert ("is missing" if how == "missing" else "fails its check") in message, message
-        assert "rerun the job's command with --overwrite" in message, message
+        assert f"python -m extract.verify {path} --repair`, then the job's command again" in message, message
+    from extract.cli.verify import main as verify
+
+    assert verify([str(path)]) == 1  # verify names it too, by the digests recorded at creation
 
 
 def test_the_export_command_says_a_lost_chunk_in_one_line(stores, tmp_path, capsys):

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from ..names import Kind
 from ..store.location import check_not_forked, is_url
 from .features import Features, open_features
 
@@ -95,7 +96,7 @@ class FeatureDataset(Dataset):
             layer: self._features.load(layer, rows, pool=self.pools[layer], dtype=self.dtype, as_torch=True)
             for layer in self.layers
         }
-        if self._features.kind == "tokens":  # a token's label is its document's
+        if self._features.kind is Kind.TOKENS:  # a token's label is its document's
             labels = self._features.labels[self._features.documents_of(rows)]
         else:
             labels = self._features.load_labels(rows)

@@ -19,6 +19,7 @@ from zarr.buffer.cpu import NDBuffer
 from ..capture.layers import closest
 from ..capture.pooling import PoolShapeError, make_pool
 from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
+from ..names import Kind
 from ..store import objects
 from ..store.chunks import Plan
 from ..store.location import from_object_storage, is_url, storage_error
@@ -217,14 +218,14 @@ class Features:
         return self.attrs.get("status") == "complete"
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Kind:
         """``images``, ``documents`` (text, one pooled row per document) or ``tokens`` (one row per token)."""
         return self.store.kind
 
     @cached_property
     def labels(self) -> np.ndarray:
         """(N,) int64, -1 where the data had none; in a token store (N_docs,): labels are per document."""
-        if self.kind == "tokens":
+        if self.kind is Kind.TOKENS:
             return self._whole("labels")
         every = range(self.num_chunks)
         return self._checked("labels", "labels", every, lambda: self.store.array("labels")[:])
@@ -235,14 +236,14 @@ class Features:
         token store (N_docs,), the documents' (``file.jsonl/LINE``, ``file.parquet/ROW``, ``split/ROW``)."""
         if not self.store.has("keys"):
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
-        if self.kind == "tokens":
+        if self.kind is Kind.TOKENS:
             return self._whole("keys")
         return self._checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
 
     @cached_property
     def text(self) -> TextView:
         """A text store's token-level accessors (offsets, token ids, documents, packing): ``TextView``."""
-        if self.kind == "images":
+        if self.kind is Kind.IMAGES:
             raise ExtractError(
                 f"{self.path} is an image store; offsets, token ids and documents belong to text stores "
                 "(kind tokens or documents): open one of those for features.text"
@@ -252,7 +253,7 @@ class Features:
     # The text accessors' old names, kept: each is the view's (see TextView for what it returns).
     @property
     def pack(self) -> dict[str, Any] | None:
-        return None if self.kind == "images" else self.text.pack  # an image store was never packed
+        return None if self.kind is Kind.IMAGES else self.text.pack  # an image store was never packed
 
     @property
     def offsets(self) -> np.ndarray:
@@ -311,7 +312,7 @@ class Features:
         """(N,) bool: present samples that have features; an image that could not be decoded under
         ``--skip-bad-images`` is stored as NaN with valid False. In a token store (N_docs,): the documents
         that could be read (one that could not has no tokens)."""
-        if self.kind == "tokens":
+        if self.kind is Kind.TOKENS:
             return self._whole("valid")
         every = range(self.num_chunks)
         return self._checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
@@ -355,8 +356,7 @@ class Features:
 
     def _whole(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         """Rows ``rows`` of ``name``, an array written whole when the store was created (a text store's
-        ``offsets``; a token store's ``labels``, ``valid`` and ``keys``; a document store's ``token_ids``
-        and ``special``), unless one of its objects fails its checksum or is missing: every object is
+        ``offsets``; a token store's ``labels``, ``valid`` and ``keys``), unless one of its objects fails its checksum or is missing: every object is
         stored (write_empty_chunks), so an absent one was lost and would read as the fill value."""
         array = self.store.array(name)
         try:
@@ -382,13 +382,13 @@ class Features:
         return next(k for k in range(array.nchunks) if self.store.chunk_key(array, k) not in stored)
 
     def _unrepairable(self, array: zarr.Array, chunk: int, problem: str) -> StoreDamagedError:
-        # verify checks (and --repair clears) the objects written per chunk; these were written once, at
-        # the store's creation, and nothing but a new store writes them again
+        # written once, at the store's creation: verify names it (by the digests recorded then), and the
+        # job's command writes it again from the data
         start, stop = _object_rows(array, chunk)
         return StoreDamagedError(
             f"{self.path}: '{array.path}', object {self.store.chunk_key(array, chunk)} (rows {start}-{stop - 1}) "
-            f"{problem}; it was written when the store was created and verify --repair cannot restore it: "
-            "rerun the job's command with --overwrite"
+            f"{problem}; run `python -m extract.verify {self.path} --repair`, then the job's command again to "
+            "write it again from the data"
         )
 
     def _damaged(self, what: str, chunk: int, problem: str) -> StoreDamagedError:
@@ -523,7 +523,7 @@ class Features:
         """(n,) int64 labels of the samples ``index`` picks, read now (``labels`` is read once and kept:
         a store still being written gains labels as its chunks are written). In a token store ``index``
         picks documents."""
-        if self.kind == "tokens":
+        if self.kind is Kind.TOKENS:
             picked = _normalize(index, self.num_documents)
             labels = self.labels
             if picked.sorted_rows is None:
@@ -567,9 +567,9 @@ class Features:
     def __repr__(self) -> str:
         layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
         state = "complete" if self.complete else f"{int(self.present.sum())}/{self.num_samples} present"
-        if self.kind == "tokens":
+        if self.kind is Kind.TOKENS:
             return f"Features({str(self.path)!r}, {self.num_samples} tokens of {self.num_documents} documents, {state}; {layers})"
-        rows = f"N={self.num_samples}" if self.kind == "images" else f"{self.num_samples} documents"
+        rows = f"N={self.num_samples}" if self.kind is Kind.IMAGES else f"{self.num_samples} documents"
         return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..errors import ExtractError, SampleIndexError
+from ..names import Kind
 
 if TYPE_CHECKING:  # the view is made by Features, which imports this module
     from .features import Features
@@ -48,9 +49,10 @@ class TextView:
         """(n,) int32: the token ids of the tokens ``tokens`` picks, read now from the chunks that hold
         them (``token_ids`` reads every token's and keeps them)."""
         features = self.features
+        self._has_token_rows("token_ids")
         array = features.store.array("token_ids")
         picked = slice(*tokens.indices(array.shape[0]))
-        if features.kind != "tokens":
+        if features.kind is not Kind.TOKENS:  # a document store written before they were left out
             return features._whole("token_ids", picked)
         rows = range(array.shape[0])[picked]
         first, last = sorted((rows[0], rows[-1])) if rows else (0, -1)
@@ -98,7 +100,7 @@ class TextView:
         """Document ``index``'s rows of ``layer`` (the only layer when None): (its tokens, D) in a token
         store, read chunk-wise like ``Features.load`` (which takes the same keyword arguments)."""
         features = self.features
-        if features.kind != "tokens":
+        if features.kind is not Kind.TOKENS:
             raise ExtractError(
                 f"{features.path} is a {features.kind} store; document(i) reads a token store's rows (use load)"
             )
@@ -115,10 +117,19 @@ class TextView:
         """Every token's ``name``: in a token store chunk by chunk like the features (each chunk checked),
         in a document store an array written whole at creation."""
         features = self.features
-        if features.kind != "tokens":
+        self._has_token_rows(name)
+        if features.kind is not Kind.TOKENS:  # a document store written before they were left out
             return features._whole(name)
         array = features.store.array(name)
         return features._checked(name, what, range(features.num_chunks), lambda: np.asarray(array[:]))
+
+    def _has_token_rows(self, name: str) -> None:
+        """A document store keeps each document's token count (``offsets``), not its tokens' ``name``."""
+        if self.features.kind is Kind.DOCUMENTS and not self.features.store.has(name):
+            raise ExtractError(
+                f"{self.features.path} is a document store (one pooled row per document): it keeps each document's "
+                f"token count (offsets), not its {name}; extract without --pool for a token store"
+            )
 
     def _packed(self, name: str) -> np.ndarray:
         if self.pack is None:

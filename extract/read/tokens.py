@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ExtractError
+from ..names import Kind
 from ..store.chunks import Plan
 from ..store.location import check_not_forked
 from .dataset import _rank_and_world_size
@@ -168,7 +169,7 @@ class TokenStream(IterableDataset):
         self.rules = _parse_rules(exclude)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
         features = open_features(store)
-        if features.kind != "tokens":
+        if features.kind is not Kind.TOKENS:
             raise ExtractError(
                 f"{features.path} is not a token store (kind '{features.kind}'); TokenStream reads token "
                 "stores' rows: read this one with FeatureDataset"

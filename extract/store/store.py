@@ -761,8 +761,9 @@ class FeatureStore:
 
     def document_damage(self) -> list[str]:
         """The arrays written whole at creation (``document_arrays``) whose objects are not the ones
-        written then: edited (even through zarr, with a valid checksum), swapped, torn or lost; each
-        object's checksum against the digest recorded at creation (4 bytes read per object)."""
+        written then: edited (even through zarr, with a valid checksum), swapped, torn or lost: each
+        object's checksum against the digest recorded at creation, and against its contents (these
+        arrays hold a few bytes per document)."""
         recorded = self.attrs.get(DOCUMENT_DIGESTS)
         if not isinstance(recorded, dict):
             return []  # a store from before the digests: nothing to check against
@@ -773,8 +774,8 @@ class FeatureStore:
             except Exception:  # noqa: BLE001 - its metadata are gone or garbage
                 damaged.append(name)
                 continue
-            if now != digests:
-                damaged.append(name)
+            if now != digests or not decodes(self.array(name), 0, self.array(name).shape[0]):
+                damaged.append(name)  # swapped or edited (another digest), or torn (fails its own checksum)
         return damaged
 
     def text_arrays(self) -> TextArrays:
