@@ -78,7 +78,7 @@ def child(args: argparse.Namespace) -> None:
         job.state.wait_for_everyone()
         raise SystemExit(0)
 
-    runner._loop = stop_at_loop
+    runner.image_loop = stop_at_loop
     from extract.job.spec import JobSpec
 
     spec = JobSpec(

@@ -14,19 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from torch import nn
-from torch.utils.data import DataLoader
 
-from ..capture.hooks import Capture, Edit
+from ..capture.hooks import Edit
 from ..capture.layers import LayerRef, resolve_layers
 from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
-from ..capture.staging import HostStaging
 from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, DataOptions, Source, build_dataset, reuses_index, saved_indexes
-from ..data.gpu_decode import GpuDecoder, collate_encoded
+from ..data.gpu_decode import GpuDecoder
 from ..data.text import TextSource
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
@@ -35,15 +32,14 @@ from ..names import Kind
 from ..store.chunks import Plan
 from ..store.schema import JobParts, codecs
 from ..store.store import FeatureStore, saved_index
-from ..store.writer import ChunkWriter
 from .dist import process_state
-from .interrupt import Interrupted, LoaderWorkerSignals, PeerStopped, StopRequests
+from .image_loop import image_loop
+from .interrupt import PeerStopped, StopRequests
 from .launcher import watch_launcher
 from .lifecycle import StoreLife
 from .memory import keep_freed_memory
-from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, ChunkBatchSampler, assign, default_chunk_size
+from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, assign, default_chunk_size
 from .progress import JobProgress
-from .resources import default_workers, default_writer_threads, warn_overflow
 from .spec import JobSpec
 from .text_stage import TextJob, prepare_text, text_loop
 
@@ -318,107 +314,6 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
     )  # fmt: skip
 
 
-def _loader(job: _Job, chunks: list[int], workers: LoaderWorkerSignals) -> DataLoader:
-    spec, device = job.spec, job.state.device
-    return DataLoader(
-        job.data.dataset,
-        batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
-        num_workers=spec.num_workers if spec.num_workers is not None else default_workers(),
-        pin_memory=device.type == "cuda",
-        collate_fn=collate_encoded if job.data.gpu_decoder is not None else None,
-        worker_init_fn=workers,
-    )
-
-
-def _loop(
-    job: _Job,
-    store: FeatureStore,
-    chunks: list[int],
-    edit: Mapping[str, Edit] | None,
-    stop: StopRequests,
-    forwarded: Callable[[int], None] = lambda samples: None,
-    held: Callable[[], None] = lambda: None,
-) -> None:
-    """Forward this rank's chunks under the capture and hand them to the writer; ``forwarded(n)`` after
-    each batch of n samples; ``held()`` before each batch, which raises once the lock is lost (a holder
-    continued after a pause stops at once, not at its next chunk).
-
-    Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
-    after writing the chunks already complete.
-    """
-    spec, device = job.spec, job.state.device
-    workers = LoaderWorkerSignals()
-    loader = _loader(job, chunks, workers)
-    staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
-    threads = spec.writer_threads or default_writer_threads(device)
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
-    stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
-    try:
-        with (
-            Capture(
-                job.model.module, job.model.refs, reduce=job.model.layers.reduce, stop=spec.truncate, edit=edit,
-                sink=staging.stage,
-            ) as cap,
-            torch.inference_mode(),
-            job.model.autocast,
-        ):  # fmt: skip
-            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded, held)
-        writer.close(complete=stop.signum is None and bad_image is None)
-    except BaseException:
-        writer.abort()
-        raise
-    finally:  # on every way out: the workers go now, not at exit, where multiprocessing joins them
-        workers.release()
-    warn_overflow(writer.overflow)
-    if stop.signum is not None:
-        raise Interrupted(stop.signum, writer.chunks_written)
-    if bad_image is not None:
-        raise ExtractError(
-            f"cannot decode image {bad_image}; rerun with --skip-bad-images to resume and record it invalid "
-            f"(valid=False), or remove it and rerun with --overwrite ({writer.chunks_written} chunks written)"
-        )
-
-
-def _forward(
-    job: _Job,
-    loader: DataLoader,
-    cap: Capture,
-    staging: HostStaging,
-    writer: ChunkWriter,
-    stop: StopRequests,
-    forwarded: Callable[[int], None],
-    held: Callable[[], None],
-) -> str | None:
-    """Every batch through the model into the writer, until the data ends or a signal arrives; the
-    first undecodable image stops it (returned) unless ``--skip-bad-images``."""
-    device, model, decoder = job.state.device, job.model, job.data.gpu_decoder
-    batches = iter(loader)
-    try:
-        while stop.signum is None:
-            held()
-            try:
-                images, labels, indices, errors = next(batches)
-            except StopIteration:
-                break
-            except Exception:
-                if stop.signum is not None:  # DataLoader workers died of the same signal
-                    break
-                raise
-            if decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
-                images, errors = decoder(images, indices, errors)
-            valid = np.array([not error for error in errors])
-            if not (valid.all() or job.spec.skip_bad_images):
-                return next(error for error in errors if error)
-            slot = staging.acquire(writer.check)
-            model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
-            staging.seal(slot)
-            writer.submit(slot, indices, labels, valid)
-            forwarded(len(indices))
-        return None
-    finally:  # the last reference, also from a traceback's frame: torch's iterator stops its workers as it is freed
-        del batches
-
-
 def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | None = None) -> Summary:
     """Extract ``spec.layers`` for every sample of ``spec.data`` into the store at ``spec.out``."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -526,7 +421,7 @@ def _extract(
     progress = JobProgress(store, plan, pending, enabled=main, own=share, unit=job.kind.unit)
     started = time.time()
     try:
-        (_loop if job.text is None else text_loop)(job, store, share, edit, stop, progress.advance, held)
+        (image_loop if job.text is None else text_loop)(job, store, share, edit, stop, progress.advance, held)
     except ExtractError as e:  # met in this rank's own chunks: only this rank can say it
         e.alone = True
         raise

@@ -1,0 +1,122 @@
+"""The loop of an image job: a rank's chunks through a DataLoader, the model under the capture, and
+the writer. A chunk's batches never take another chunk's samples (``ChunkBatchSampler``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from ..capture.hooks import Capture, Edit
+from ..capture.staging import HostStaging
+from ..data.gpu_decode import collate_encoded
+from ..errors import ExtractError
+from ..store.store import FeatureStore
+from ..store.writer import ChunkWriter
+from .interrupt import Interrupted, LoaderWorkerSignals, StopRequests
+from .plan import ChunkBatchSampler
+from .resources import default_workers, default_writer_threads, warn_overflow
+
+
+def _loader(job: Any, chunks: list[int], workers: LoaderWorkerSignals) -> DataLoader:
+    spec, device = job.spec, job.state.device
+    return DataLoader(
+        job.data.dataset,
+        batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
+        num_workers=spec.num_workers if spec.num_workers is not None else default_workers(),
+        pin_memory=device.type == "cuda",
+        collate_fn=collate_encoded if job.data.gpu_decoder is not None else None,
+        worker_init_fn=workers,
+    )
+
+
+def image_loop(
+    job: Any,
+    store: FeatureStore,
+    chunks: list[int],
+    edit: Mapping[str, Edit] | None,
+    stop: StopRequests,
+    forwarded: Callable[[int], None] = lambda samples: None,
+    held: Callable[[], None] = lambda: None,
+) -> None:
+    """Forward this rank's chunks under the capture and hand them to the writer; ``forwarded(n)`` after
+    each batch of n samples; ``held()`` before each batch, which raises once the lock is lost (a holder
+    continued after a pause stops at once, not at its next chunk).
+
+    Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
+    after writing the chunks already complete.
+    """
+    spec, device = job.spec, job.state.device
+    workers = LoaderWorkerSignals()
+    loader = _loader(job, chunks, workers)
+    staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
+    threads = spec.writer_threads or default_writer_threads(device)
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
+    stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
+    try:
+        with (
+            Capture(
+                job.model.module, job.model.refs, reduce=job.model.layers.reduce, stop=spec.truncate, edit=edit,
+                sink=staging.stage,
+            ) as cap,
+            torch.inference_mode(),
+            job.model.autocast,
+        ):  # fmt: skip
+            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded, held)
+        writer.close(complete=stop.signum is None and bad_image is None)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:  # on every way out: the workers go now, not at exit, where multiprocessing joins them
+        workers.release()
+    warn_overflow(writer.overflow)
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, writer.chunks_written)
+    if bad_image is not None:
+        raise ExtractError(
+            f"cannot decode image {bad_image}; rerun with --skip-bad-images to resume and record it invalid "
+            f"(valid=False), or remove it and rerun with --overwrite ({writer.chunks_written} chunks written)"
+        )
+
+
+def _forward(
+    job: Any,
+    loader: DataLoader,
+    cap: Capture,
+    staging: HostStaging,
+    writer: ChunkWriter,
+    stop: StopRequests,
+    forwarded: Callable[[int], None],
+    held: Callable[[], None],
+) -> str | None:
+    """Every batch through the model into the writer, until the data ends or a signal arrives; the
+    first undecodable image stops it (returned) unless ``--skip-bad-images``."""
+    device, model, decoder = job.state.device, job.model, job.data.gpu_decoder
+    batches = iter(loader)
+    try:
+        while stop.signum is None:
+            held()
+            try:
+                images, labels, indices, errors = next(batches)
+            except StopIteration:
+                break
+            except Exception:
+                if stop.signum is not None:  # DataLoader workers died of the same signal
+                    break
+                raise
+            if decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
+                images, errors = decoder(images, indices, errors)
+            valid = np.array([not error for error in errors])
+            if not (valid.all() or job.spec.skip_bad_images):
+                return next(error for error in errors if error)
+            slot = staging.acquire(writer.check)
+            model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
+            staging.seal(slot)
+            writer.submit(slot, indices, labels, valid)
+            forwarded(len(indices))
+        return None
+    finally:  # the last reference, also from a traceback's frame: torch's iterator stops its workers as it is freed
+        del batches
