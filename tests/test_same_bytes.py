@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zarr
 from launches import Sequence, rank_pids
+from s3 import s3_server_or_none
 from text_models import real_documents, save_text_model, write_jsonl
 
 from extract.store.location import open_store
@@ -95,20 +96,13 @@ def references(corpus, tmp_path_factory):
     return folder
 
 
-def _s3_server(request):
-    try:
-        return request.getfixturevalue("s3_server")
-    except pytest.skip.Exception:
-        return None
-
-
 @pytest.fixture(scope="module")
 def launched(corpus, references, tmp_path_factory, request):
     """2 ranks run every job (the ragged one on S3 too), then a ragged job whose last rank is SIGKILLed at
     a random point; 3 ranks run every job, then resume the killed one."""
     two_folder, three_folder = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("three")
     killed = two_folder / "killed.zarr"
-    server = _s3_server(request)
+    server = s3_server_or_none(request)
     on_s3 = f"s3://{server.bucket}/same-{uuid.uuid4().hex[:8]}/ragged.zarr" if server else None
     jobs = {
         **_jobs(corpus, two_folder),

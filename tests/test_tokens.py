@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from launches import Sequence, rank_pids
+from s3 import s3_server_or_none
 from text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
@@ -157,14 +158,6 @@ def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, 
 SMALL_CHUNKS = ["--chunk-size", "16", "--tokens-per-batch", "32"]  # many chunks: a kill lands mid-run
 
 
-def _s3_server(request):
-    """The session's S3 server, or None where moto or obstore is not installed."""
-    try:
-        return request.getfixturevalue("s3_server")
-    except pytest.skip.Exception:
-        return None
-
-
 @pytest.fixture(scope="module")
 def launched(corpus, tmp_path_factory, request):
     """Two launches for the module: 2 ranks run a whole job, the same job on S3, then a second job
@@ -172,7 +165,7 @@ def launched(corpus, tmp_path_factory, request):
     two_folder, three_folder = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("three")
     killed = two_folder / "killed.zarr"
     whole = ["--chunk-size", "64", "--tokens-per-batch", "256"]
-    server = _s3_server(request)
+    server = s3_server_or_none(request)
     on_s3 = f"s3://{server.bucket}/tokens-{uuid.uuid4().hex[:8]}/p2.zarr" if server else None
     jobs = {
         "whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole),
