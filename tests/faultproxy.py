@@ -7,8 +7,11 @@ each request to the server, one request at a time over one upstream connection p
 line, headers, a ``Content-Length`` or chunked body) so that a fault hits whole requests, and so that
 requests and bytes are counted per method and per kind of key.
 
-Faults, switched at run time by the test (``fail``, ``pass_through``), for ``seconds`` or for the next
-``requests`` requests (or until switched off), optionally only for requests ``match`` picks:
+Faults, switched at run time by the test (``fail``, ``pass_through``), for ``seconds``, for the next
+``requests`` requests, or for the first ``per_key`` requests of each key (or until switched off),
+optionally only for requests ``match`` picks. A test that needs a fault to hit requests should count
+them (``requests``, ``per_key``): a window of ``seconds`` may pass, on a loaded machine, before the
+client sends anything.
 
 - ``"reset"``: the request is read, then the connection is closed with ``SO_LINGER`` 0 (a TCP RST),
   without an answer: the client sees "connection reset" after it sent the request;
@@ -146,6 +149,8 @@ class FaultProxy:
         self._until: float | None = None  # monotonic deadline of the fault
         self._left: int | None = None  # requests the fault has still to hit
         self._match: Match | None = None
+        self._per_key: int | None = None  # each key fails this many times, then passes
+        self._hits: Counter = Counter()  # key -> requests failed so (with ``per_key``)
         self._stopped = threading.Event()
         self._connections: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, name="faultproxy", daemon=True)
@@ -161,21 +166,30 @@ class FaultProxy:
         return {**self._env, "AWS_ENDPOINT_URL": self.endpoint}
 
     def fail(
-        self, mode: str, *, seconds: float | None = None, requests: int | None = None, match: Match | None = None
+        self,
+        mode: str,
+        *,
+        seconds: float | None = None,
+        requests: int | None = None,
+        match: Match | None = None,
+        per_key: int | None = None,
     ) -> None:
         """Fail requests as ``mode`` (``"reset"`` or ``"503"``) for ``seconds`` from now, or for the next
         ``requests`` requests (whichever ends first where both are given; until ``pass_through()`` where
-        neither is); only those ``match(method, path)`` picks, where given."""
+        neither is); only those ``match(method, path)`` picks, where given. With ``per_key``, only the
+        first ``per_key`` requests of each key (the path without its query) fail, and its later ones pass:
+        an outage every retried request meets the same number of times, however slowly it comes."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {MODES}")
         with self._lock:
             self._mode, self._match = mode, match
             self._until = None if seconds is None else time.monotonic() + seconds
             self._left = requests
+            self._per_key, self._hits = per_key, Counter()
 
     def pass_through(self) -> None:
         with self._lock:
-            self._mode = self._until = self._left = self._match = None
+            self._mode = self._until = self._left = self._match = self._per_key = None
 
     @property
     def failing(self) -> bool:
@@ -215,7 +229,7 @@ class FaultProxy:
         if self._mode is None:
             return False
         if (self._until is not None and time.monotonic() >= self._until) or self._left == 0:
-            self._mode = self._until = self._left = self._match = None
+            self._mode = self._until = self._left = self._match = self._per_key = None
             return False
         return True
 
@@ -224,6 +238,11 @@ class FaultProxy:
         with self._lock:
             if not self._active() or (self._match is not None and not self._match(method, path)):
                 return None
+            if self._per_key is not None:
+                key = unquote(urlsplit(path).path)
+                if self._hits[key] >= self._per_key:
+                    return None
+                self._hits[key] += 1
             if self._left is not None:
                 self._left -= 1
             assert self._mode is not None

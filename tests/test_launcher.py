@@ -5,6 +5,7 @@ ranks without a launcher, with the environment one would give them."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -152,6 +153,23 @@ def test_a_rendezvous_nobody_answers_is_one_line_naming_the_port(tmp_path):
     lines = _lines(result.stderr, "extract: error")
     assert len(lines) == 1 and f"MASTER_PORT {port}" in lines[0] and "--main_process_port" in lines[0]
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "r.zarr").exists()
+
+
+def test_a_rendezvous_port_in_use_is_one_line_naming_it(tmp_path):
+    """Rank 0 hosts the rendezvous where no launcher's agent does (srun, ranks started by hand); another
+    process listens on its port: one line saying so and naming --main_process_port, exit 1, no traceback."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}  # fmt: skip
+        result = run_cli(*PACED, "--out", tmp_path / "r.zarr", "--timeout", "5", env=env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = _lines(result.stderr, "extract: error")
+    assert len(lines) == 1 and f"MASTER_PORT {port} is already in use" in lines[0], result.stderr[-3000:]
+    assert "--main_process_port" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "r.zarr").exists()
 
 

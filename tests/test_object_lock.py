@@ -18,8 +18,10 @@ import pytest
 import zarr
 from zarr.storage import LocalStore, ObjectStore
 
+import extract.store.lock as file_lock
 from extract.errors import ExtractError, LockLostError, StoreBusyError
 from extract.store.location import INSTALL, LocationError, ObjectStorageMissing, is_url, open_store, parse
+from extract.store.lock import process_namespace
 from extract.store.object_lock import ObjectStoreLock, check_unlocked, lock_url, lost_lock
 
 
@@ -79,9 +81,29 @@ def test_a_stale_lock_is_taken_over(s3):
         assert record(s3)[0]["token"] == lock.token
 
 
-def test_a_lock_of_a_dead_process_of_this_host_is_taken_over_at_once(s3):
+def _finished_pid() -> int:
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    plant(s3, host=socket.gethostname(), pid=int(finished.stdout), time=time.time())
+    return int(finished.stdout)
+
+
+def test_a_lock_of_a_dead_process_of_this_host_is_taken_over_at_once(s3):
+    plant(s3, host=socket.gethostname(), pid=_finished_pid(), **process_namespace(), time=time.time())
+    with ObjectStoreLock(s3.url("out.zarr")) as lock:
+        assert record(s3)[0]["token"] == lock.token
+
+
+@pytest.mark.skipif(not process_namespace(), reason="no /proc: no PID namespace to record")
+@pytest.mark.parametrize("whose", ["another namespace", "an older lock"])
+def test_a_lock_whose_pid_is_of_another_namespace_waits_for_its_heartbeat(s3, monkeypatch, whose):
+    """A holder of this host in another container (PID namespace), or one whose lock does not say which:
+    its pid runs nowhere here, which proves nothing; the lock is taken once its heartbeat is stale."""
+    fields = {**process_namespace(), "pid_ns": "pid:[4026599999]"} if whose == "another namespace" else {}
+    plant(s3, host=socket.gethostname(), pid=_finished_pid(), **fields, time=time.time())
+    with pytest.raises(StoreBusyError, match="being written by another job") as busy:
+        ObjectStoreLock(s3.url("out.zarr")).__enter__()
+    assert ("in another PID namespace, pid:[4026599999]" in str(busy.value)) == (whose == "another namespace")
+    assert record(s3)[0]["token"] == "theirs"
+    monkeypatch.setattr(file_lock, "clock", lambda: time.time() + 6)  # past the stale age of 5 s, unwaited
     with ObjectStoreLock(s3.url("out.zarr")) as lock:
         assert record(s3)[0]["token"] == lock.token
 

@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from launches import launcher, rank_pids
 
 import extract.store.lock
 from extract.cli.verify import main as verify_main
-from extract.errors import LockLostError, StoreDamagedError
+from extract.errors import LockLostError, StoreBusyError, StoreDamagedError
 from extract.read.features import open_features
 from extract.store.lock import StoreLock, lock_path
 from extract.store.store import FeatureStore
@@ -544,6 +545,86 @@ def test_stale_lock_of_a_live_reused_pid_is_taken_over_by_age(tmp_path, cli):
     code, _, err = cli(*TINY_JOB[:-6], "--data", "synthetic:4", "--out", out)
     assert code == 0, err
     assert not lock.exists()
+
+
+# A lock of this host whose holder is in another PID namespace (issue 29, item 5): a container on the same
+# host (pyxis/enroot, a pod with hostNetwork, ``docker run``, ``unshare --pid``) shares the hostname and
+# the filesystem, not the pids. Its holder's pid proves nothing here: only its heartbeat's age frees it.
+OTHER_NAMESPACE = "pid:[4026599999]"
+
+
+def _reaped() -> int:
+    """A pid of this namespace that no longer runs."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.skipif(not extract.store.lock.process_namespace(), reason="no /proc: no PID namespace to record")
+@pytest.mark.parametrize("whose", ["another namespace", "another boot", "an older lock"])
+def test_a_lock_whose_pid_is_of_another_namespace_waits_for_its_heartbeat(tmp_path, monkeypatch, whose):
+    """Its pid runs nowhere here, but the lock cannot prove it is a pid of ours: refused until the
+    heartbeat is older than the stale age (the clock is moved on, not waited for); a lock that proves it
+    is of this namespace and boot, with its pid gone, is taken at once."""
+    out = tmp_path / "ns.zarr"
+    ours = extract.store.lock.process_namespace()
+    fields = {"another namespace": {**ours, "pid_ns": OTHER_NAMESPACE}, "another boot": {**ours, "boot": "another"},
+              "an older lock": {}}[whose]  # fmt: skip
+    record = {"host": socket.gethostname(), "pid": _reaped(), **fields, "started": "2026-01-01T00:00:00", "token": "t"}
+    lock_path(out).write_text(json.dumps(record))
+    with pytest.raises(StoreBusyError) as busy:
+        StoreLock(out).__enter__()
+    message = str(busy.value)
+    assert f"being written by another job (host {socket.gethostname()}, pid {record['pid']}" in message, message
+    assert (f"in another PID namespace, {OTHER_NAMESPACE}" in message) == (whose == "another namespace"), message
+    with pytest.raises(StoreBusyError):
+        extract.store.lock.check_unlocked(out)
+    assert json.loads(lock_path(out).read_text()) == record  # left alone
+    monkeypatch.setattr(extract.store.lock, "clock", lambda: time.time() + 61)  # the heartbeat stopped a minute ago
+    with StoreLock(out) as lock:
+        assert json.loads(lock_path(out).read_text())["token"] == lock.token
+    monkeypatch.undo()
+    lock_path(out).write_text(json.dumps({**record, **ours}))  # proven ours, and its pid is gone: at once
+    with StoreLock(out) as lock:
+        assert json.loads(lock_path(out).read_text())["token"] == lock.token
+
+
+def _in_a_new_pid_namespace() -> bool:
+    try:
+        made = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+        return made.returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _in_a_new_pid_namespace(), reason="needs unshare --pid (root, or user namespaces)")
+def test_a_job_in_another_pid_namespace_does_not_take_a_live_holders_lock(tmp_path):
+    """A holds the store (its model's factory waits); B, started by ``unshare --pid --fork --mount-proc`` on
+    the same host (a container), cannot see A's pid: it is refused with one line, and A completes."""
+    factory, building, release = tmp_path / "held.py", tmp_path / "building", tmp_path / "release"
+    factory.write_text(
+        f"import pathlib, time, torch\ndef net():\n    pathlib.Path({str(building)!r}).touch()\n"
+        f"    deadline = time.time() + 120\n    while not pathlib.Path({str(release)!r}).exists() and time.time() < deadline:\n"
+        "        time.sleep(0.02)\n    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))\n"
+    )
+    out, a_err = tmp_path / "held.zarr", tmp_path / "a.err"
+    a_job = [*TINY_JOB[4:], "--model", f"{factory}:net", "--layers", "0", "--out", out]
+    a = fork_start(a_job, stderr=a_err)
+    try:
+        _until(building.exists, a, a_err)  # A holds the lock: its factory is running
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        b = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "extract", *map(str, TINY_JOB),
+             "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+        )  # fmt: skip
+        line = one_line_error(b.stderr)
+        assert b.returncode == 2 and "being written by another job" in line, b.stderr[-2000:]
+        assert f"pid {a} in another PID namespace" in line, line
+        assert _lock_pid(out) == a
+    finally:
+        release.touch()
+    assert fork_wait(a, timeout=120) == 0, a_err.read_text()[-2000:]
+    assert zarr.open_group(out, mode="r").attrs["status"] == "complete" and not lock_path(out).exists()
 
 
 def test_interrupted_overwrite_leaves_old_store_or_nothing(tmp_path, reference):

@@ -17,7 +17,7 @@ from forked import fork_run, fork_start, fork_wait
 from launches import launcher, rank_pids
 from reference import load_images, reference, resnet18
 
-from extract.store.lock import lock_path
+from extract.store.lock import lock_path, process_namespace
 from extract.store.store import FeatureStore
 
 SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
@@ -344,16 +344,22 @@ def test_the_next_holder_sweeps_what_killed_claims_and_creations_left(cli, tmp_p
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid of this host that no longer runs
     record = lock_path(out).name
+    here = socket.gethostname()
+    claimers = {  # the dead one proves its pid is of this PID namespace; the other is a container's
+        f".{record}-{here}-{dead.pid}": {"host": here, "pid": dead.pid, **process_namespace()},
+        f".{record}-{here}-{dead.pid + 1}": {"host": here, "pid": dead.pid + 1, "pid_ns": "pid:[4026599999]"},
+    }
     debris = {
-        f".{record}-{socket.gethostname()}-{dead.pid}": "swept",  # a claimer of this host, dead
+        f".{record}-{here}-{dead.pid}": "swept",  # a claimer of this host, dead
+        f".{record}-{here}-{dead.pid + 1}": "kept",  # a claimer of another PID namespace, young: maybe mid-claim
         f".{record}-node-17-4242": "kept",  # another host's, young: maybe mid-claim
         f".{record}-node-17-4343": "swept",  # another host's, a minute old
         f".{out.name}.creating-{dead.pid}": "swept",
         f".{out.name}.trash-{dead.pid}": "swept",
     }
     for name in debris:
-        if ".lock-" in name:
-            (tmp_path / name).write_text("{}")
+        if ".lock-" in name:  # a claimer's record, which says where its pid is one
+            (tmp_path / name).write_text(json.dumps(claimers.get(name, {"host": "node-17", "pid": 4242})))
         else:
             (tmp_path / name).mkdir()
     old = time.time() - 120

@@ -62,20 +62,20 @@ def test_reading_survives_a_few_failed_requests(stored, proxied, mode):
 
 
 def test_reading_survives_a_short_outage_of_chunk_reads(stored, proxied):
-    """An outage in the middle of a whole-layer load (zarr's concurrent chunk GETs), resets then 503s."""
+    """An outage in the middle of a whole-layer load (zarr's concurrent chunk GETs), resets then 503s.
+    The outage is counted per chunk, not timed: a window of 0.4 s passed, on a loaded machine, before
+    any chunk GET was sent (issue 29, item 14)."""
     url, layers, _ = stored
     features = open_features(url)
     is_chunk = lambda method, path: "/features/" in path and "/c/" in path  # noqa: E731
     gets = lambda: sum(n for (method, key), n in proxied.counts.keys.items() if is_chunk(method, key))  # noqa: E731
     for mode in ("reset", "503"):
         before = gets()
-        proxied.fail(mode, seconds=0.4, match=is_chunk)
-        started = time.monotonic()
+        proxied.fail(mode, per_key=2, match=is_chunk)  # each of the 6 chunks fails twice, then comes
         np.testing.assert_array_equal(features.load("b"), layers["b"])
-        assert time.monotonic() - started >= 0.3  # it waited the outage out
-        failed = proxied.counts.faults[mode]
-        assert failed >= 6  # every one of the 6 chunks failed at least once
-        assert gets() - before == 6 + failed  # and was retried until it came
+        assert proxied.counts.faults[mode] == 12  # every chunk failed, and was retried past it
+        assert gets() - before == 6 + 12
+        proxied.pass_through()
     np.testing.assert_array_equal(features.load("a", index=np.array([23, 0, 9])), layers["a"][[23, 0, 9]])
 
 

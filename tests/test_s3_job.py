@@ -19,6 +19,7 @@ from conftest import ROOT, TINY
 
 from extract import open_features
 from extract.store.location import open_store
+from extract.store.lock import process_namespace
 
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
        "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
@@ -108,7 +109,9 @@ def test_damaged_root_metadata_on_s3_are_refused_and_overwrite_replaces_them(s3,
 
 
 def _lock_record(host: str, pid: int, age: float) -> bytes:
-    record = {"host": host, "pid": pid, "started": "2026-01-01T00:00:00", "token": "stale", "time": time.time() - age}
+    namespace = process_namespace()  # what proves a pid of this host to be one of ours
+    record = {"host": host, "pid": pid, **namespace, "started": "2026-01-01T00:00:00", "token": "stale",
+              "time": time.time() - age}  # fmt: skip
     return json.dumps(record).encode()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from datetime import timedelta
 
@@ -37,9 +38,16 @@ def process_state(timeout: float = 1800.0) -> PartialState:
 
 def _not_connected(error: BaseException) -> ProcessGroupError:
     """A reset, refused or timed-out rendezvous: most often another job, or processes left over from one,
-    on the same port, which then meet (or refuse) this job's ranks."""
+    on the same port, which then meet (or refuse) this job's ranks. A rank that hosts the rendezvous (rank
+    0 where no launcher's agent hosts it: SLURM's srun, ranks started by hand) and finds the port taken
+    knows the cause for sure (torch's DistNetworkError names EADDRINUSE), and says so."""
     cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
     port = os.environ.get("MASTER_PORT", "29500")
+    if "EADDRINUSE" in cause or getattr(error, "errno", None) == errno.EADDRINUSE:
+        return ProcessGroupError(
+            f"MASTER_PORT {port} is already in use on this host (EADDRINUSE): another job, or a process left over "
+            "from one, listens there; launch with a free --main_process_port (torchrun: --master_port)"
+        )
     return ProcessGroupError(
         f"the processes of this job could not connect to each other ({cause[:200]}); another job, or processes "
         f"left over from one, may be using MASTER_PORT {port}: stop them, or launch with a free "

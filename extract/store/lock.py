@@ -9,6 +9,13 @@ A lock is stale, and taken over, when its holder is a process on this host that 
 when its heartbeat stopped ``STALE_AFTER`` seconds ago. Age alone is enough: pids are reused, so a
 live pid on this host proves nothing once the heartbeat is old.
 
+A pid is only a process's number in its own PID namespace: a job in a container on the same host
+(pyxis/enroot under SLURM, a Kubernetes pod with hostNetwork, ``docker run``, ``unshare --pid``)
+shares the hostname and the filesystem but not the pids, so its live holder's pid is absent here, or
+is another process. So a holder is declared dead by its pid only when its lock proves it ran in this
+PID namespace of this boot of this host (``process_namespace``); any other lock waits for its heartbeat
+to stop.
+
 A holder paused past that age (SIGSTOP, a suspended VM, a hung NFS client) comes back without its
 lock. So every lock records a unique ``token``: the holder's heartbeat re-reads the lock and, finding
 another token (or none), sets ``lost`` and stops, never refreshing another's lock; the token is also
@@ -25,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +43,28 @@ STALE_AFTER = 60.0
 # Overrides, read when a lock is made: tests pause a holder past a stale age of a second, not a minute.
 HEARTBEAT_VARIABLE, STALE_AFTER_VARIABLE = "EXTRACT_LOCK_HEARTBEAT", "EXTRACT_LOCK_STALE_AFTER"
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+# The wall clock that heartbeats are written with and ages read against, here and on object storage;
+# tests replace it to age a lock at once instead of sleeping past its stale age.
+clock: Callable[[], float] = time.time
+
+
+def now() -> float:
+    return clock()
+
+
+def process_namespace() -> dict[str, str]:
+    """What makes this process's pid meaningful to another process: its PID namespace (``pid:[INODE]``,
+    the inode of ``/proc/self/ns/pid``) and the kernel's boot id (namespace inodes are reused across
+    boots). Recorded in every lock; empty where ``/proc`` does not say (not Linux, no ``/proc`` mounted),
+    and then no lock of ours can be judged by its pid."""
+    found: dict[str, str] = {}
+    try:
+        found["pid_ns"] = os.readlink("/proc/self/ns/pid")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            found["boot"] = f.read().strip()
+    except OSError:
+        return {}
+    return found
 
 
 def lock_path(store: Path) -> Path:
@@ -65,11 +95,21 @@ def timings() -> tuple[float, float]:
     return heartbeat, stale_after
 
 
+def holder_name(holder: dict[str, Any]) -> str:
+    """``host H, pid P``, naming a holder of this host in another PID namespace as such (its pid is not
+    the one ``ps`` shows here)."""
+    name = f"host {holder.get('host')}, pid {holder.get('pid')}"
+    theirs, ours = holder.get("pid_ns"), process_namespace().get("pid_ns")
+    if holder.get("host") == socket.gethostname() and theirs is not None and theirs != ours:
+        name += f" in another PID namespace, {theirs} (a container)"
+    return name
+
+
 def lost_lock(store: Path) -> LockLostError:
     """The error of a holder whose lock, or whose store's ``writer``, is another job's now."""
     holder = _holder(lock_path(store))
     if holder is not None and "pid" in holder:
-        whom = f"to another job (host {holder.get('host')}, pid {holder.get('pid')})"
+        whom = f"to another job ({holder_name(holder)})"
     else:
         whom = f"(its lock file {lock_path(store).name} was removed, or taken by a job that has finished)"
     return LockLostError(
@@ -91,7 +131,7 @@ def _holder(path: Path) -> dict[str, Any] | None:
     """The lock's record and its heartbeat's age; ``{"age": ...}`` alone while its claimer is still
     writing it; None when there is no lock."""
     try:
-        age = time.time() - path.stat().st_mtime
+        age = now() - path.stat().st_mtime
         text = path.read_text()
     except OSError:
         return None
@@ -118,15 +158,25 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def provably_gone(holder: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``holder`` (a lock's record) has ended: it ran on this host, in this
+    PID namespace, since this boot, and its pid runs no more. Where the record cannot prove all three it
+    is no proof (False), and only the heartbeat's age can free the lock: a holder in another container
+    of this host has a pid that is absent here, or another process's. Locks written before extract
+    recorded the namespace are of that kind."""
+    ours = process_namespace()
+    if not ours or holder.get("host") != socket.gethostname():
+        return False
+    if any(holder.get(field) != value for field, value in ours.items()):
+        return False
+    try:
+        return not pid_alive(int(holder["pid"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
 def _stale(holder: dict[str, Any], stale_after: float) -> bool:
-    if holder["age"] > stale_after:
-        return True
-    if holder.get("host") == socket.gethostname() and "pid" in holder:
-        try:
-            return not pid_alive(int(holder["pid"]))
-        except ValueError:
-            return False
-    return False
+    return holder["age"] > stale_after or provably_gone(holder)
 
 
 def _busy(store: Path, holder: dict[str, Any]) -> StoreBusyError:
@@ -135,8 +185,8 @@ def _busy(store: Path, holder: dict[str, Any]) -> StoreBusyError:
             f"--out {store} is being claimed by another job that is starting; wait for it, then rerun"
         )
     return StoreBusyError(
-        f"--out {store} is being written by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
-        f"since {holder.get('started')}); wait for it to finish or stop it, then rerun"
+        f"--out {store} is being written by another job ({holder_name(holder)}, since {holder.get('started')}); "
+        "wait for it to finish or stop it, then rerun"
     )
 
 
@@ -184,8 +234,8 @@ class StoreLock:
         self.stale_after = default_stale if stale_after is None else stale_after
         self.token = uuid.uuid4().hex  # also the store's ``writer`` while this lock holds it
         self.record = {
-            "host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "token": self.token,
+            "host": socket.gethostname(), "pid": os.getpid(), **process_namespace(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "token": self.token,
         }  # fmt: skip
         self.lost = threading.Event()  # set by the heartbeat once the lock is not ours any more
         self._stop = threading.Event()
@@ -213,10 +263,15 @@ class StoreLock:
         for entry in self.path.parent.iterdir() if self.path.parent.is_dir() else []:
             if not entry.name.startswith(prefix):
                 continue
-            host, _, pid = entry.name.rpartition("-")
-            gone = host.endswith(f"-{socket.gethostname()}") and pid.isdigit() and not pid_alive(int(pid))
+            # Its claimer's record says whether that claimer is gone (a pid of another PID namespace,
+            # or a record cut short by the kill, proves nothing: then only its age frees it).
+            try:
+                record = json.loads(entry.read_text())
+            except (OSError, ValueError):
+                record = None
+            gone = isinstance(record, dict) and provably_gone(record)
             with contextlib.suppress(OSError):
-                if gone or time.time() - entry.stat().st_mtime > 60:  # a young one may be a claimer's, mid-claim
+                if gone or now() - entry.stat().st_mtime > 60:  # a young one may be a claimer's, mid-claim
                     entry.unlink()
 
     def _take_over_if_stale(self) -> None:

@@ -10,7 +10,7 @@ in place of ``O_EXCL`` and a hard link:
   one we wrote: another job took the lock over (we were paused or cut off past the stale age) or it
   was deleted; the holder sets ``lost`` and stops, never writing over the new holder's record.
 - **takeover**: a lock whose record's ``time`` is older than ``STALE_AFTER`` (or whose holder is a
-  dead process of this host) is replaced by a conditional replace of the stale version's ETag, so of
+  dead process of this host, proven so by its PID namespace: ``lock.provably_gone``) is replaced by a conditional replace of the stale version's ETag, so of
   two jobs taking over one stale lock exactly one wins; the other's precondition fails, and it finds
   a live holder.
 
@@ -48,7 +48,7 @@ from typing import Any
 
 from ..errors import ExtractError, LockLostError, StoreBusyError
 from .location import Location, lock_object, one_line, parse
-from .lock import LockUnavailable, _stale, timings
+from .lock import LockUnavailable, _stale, holder_name, now, process_namespace, timings
 
 Version = dict[str, str]  # obstore's UpdateVersion: the ``e_tag`` (S3, Azure) and ``version`` (GCS's generation)
 
@@ -96,9 +96,9 @@ def _read(store: Any, key: str) -> tuple[dict[str, Any], Version] | None:
         record = {}
     beat = record.get("time")
     if isinstance(beat, int | float) and not isinstance(beat, bool):
-        age = time.time() - float(beat)
+        age = now() - float(beat)
     else:  # not a record of ours: judge it by the server's clock
-        age = time.time() - meta["last_modified"].timestamp()
+        age = now() - meta["last_modified"].timestamp()
     return {**record, "age": age}, _version(meta)
 
 
@@ -129,8 +129,8 @@ def _busy(location: Location, holder: dict[str, Any]) -> StoreBusyError:
             "if no job writes the store, delete that object, then rerun"
         )
     return StoreBusyError(
-        f"--out {location} is being written by another job (host {holder.get('host')}, pid {holder.get('pid')}, "
-        f"since {holder.get('started')}; lock {location.lock}); wait for it to finish or stop it, then rerun"
+        f"--out {location} is being written by another job ({holder_name(holder)}, since {holder.get('started')}; "
+        f"lock {location.lock}); wait for it to finish or stop it, then rerun"
     )
 
 
@@ -149,7 +149,7 @@ def lost_lock(store: str | Location) -> LockLostError:
         pass
     holder = found[0] if found is not None else None
     if holder is not None and "pid" in holder:
-        whom = f"to another job (host {holder.get('host')}, pid {holder.get('pid')})"
+        whom = f"to another job ({holder_name(holder)})"
     else:
         whom = f"(its lock {location.lock} was deleted, or taken by a job that has finished)"
     return LockLostError(
@@ -185,8 +185,8 @@ class ObjectStoreLock:
         self._objects, self._key = lock_object(self.location, timeout=max(5.0, self.stale_after / 3))
         self.token = uuid.uuid4().hex  # also the store's ``writer`` while this lock holds it
         self.record = {
-            "host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "token": self.token,
+            "host": socket.gethostname(), "pid": os.getpid(), **process_namespace(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "token": self.token,
         }  # fmt: skip
         self.lost = threading.Event()  # set by the heartbeat once the lock is not ours any more
         self._version: Version | None = None  # the version of the record we last wrote
@@ -195,7 +195,7 @@ class ObjectStoreLock:
         self._thread = threading.Thread(target=self._beat, name="extract-object-lock", daemon=True)
 
     def _fresh(self) -> dict[str, Any]:
-        return {**self.record, "time": time.time()}
+        return {**self.record, "time": now()}
 
     def _ours(self) -> bool:
         """After a failed precondition: whether the record is ours all the same (our own request landed
