@@ -34,7 +34,7 @@ from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
 from ..models.hf_text import input_device
 from ..store.chunks import Plan
-from ..store.schema import JobParts, codecs
+from ..store.schema import JobParts
 from ..store.store import FeatureStore, saved_index
 from ..store.writer import ChunkWriter
 from .dist import process_state
@@ -224,11 +224,12 @@ class _Job:
 
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
-    codecs(spec.compressor)  # an unknown --compressor is refused before the model is built
     _check_device_map(spec, state)
     model = _model_and_layers(spec, state.device)
     data = _data(spec, state, existing, model)
     text = _text(spec, state, existing, model, data) if isinstance(data.dataset, TextSource) else None
+    # the default depends on the kind of store, known from here; the identity and the store get the name
+    spec = dataclasses.replace(spec, compressor=spec.store_compressor(text.kind if text else "images", existing))
     rows = len(data.dataset) if text is None else text.num_tokens if text.per_token else text.num_documents
     plan = _plan(spec, state, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
     return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan, text).attributes(), text)
