@@ -49,7 +49,7 @@ from extract.capture.hooks import Capture  # noqa: E402
 from extract.capture.staging import HostStaging  # noqa: E402
 from extract.job.plan import default_chunk_size  # noqa: E402
 from extract.job.runner import default_writer_threads  # noqa: E402
-from extract.job.spec import JobSpec  # noqa: E402
+from extract.job.spec import DEFAULT_COMPRESSORS, JobSpec  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
 from extract.store.writer import ChunkWriter  # noqa: E402
@@ -62,7 +62,7 @@ def submit(writer: ChunkWriter, slot: Any, indices: torch.Tensor, labels: torch.
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STORE_DTYPE = JobSpec.dtype  # "float16"
-STORE_COMPRESSOR = JobSpec.compressor  # "zstd"
+STORE_COMPRESSOR = DEFAULT_COMPRESSORS["images"]  # "zstd"
 
 
 # ---------------------------------------------------------------------------------------------- timing

@@ -108,7 +108,7 @@ def test_shipped_job_is_a_valid_spec(job):
     spec, only_list = parse_spec(["--config", str(job)])
     assert not only_list and spec.layers
     spec.validate()
-    codecs(spec.compressor)
+    codecs(spec.compressor or "none")
     assert any(spec.data.startswith(kind.split(":")[0] + ":") for kind in DATA_KINDS)
     if spec.weights.lower() not in ("none", "default"):
         assert spec.weights in torchvision.models.get_model_weights(spec.model).__members__

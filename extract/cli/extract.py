@@ -16,7 +16,7 @@ from ..data.registry import data_kinds
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
 from ..job.launcher import is_first_rank, speaks_for_machine
-from ..job.spec import DECODES, DTYPES, PRECISIONS, JobSpec, check_types
+from ..job.spec import DECODES, DEFAULT_COMPRESSORS, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
 from ..store.location import described, from_object_storage
 from ..store.schema import COMPRESSORS
@@ -110,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision", help=f"compute precision: {' | '.join(PRECISIONS)} (default fp32 on CPU, bf16 on CUDA)"
     )
     p.add_argument("--chunk-size", type=int, help="samples per chunk (default: about 16 MiB per chunk)")
-    p.add_argument("--compressor", help=f"{' | '.join(COMPRESSORS)} (default zstd)")
+    p.add_argument(
+        "--compressor",
+        help=f"{' | '.join(COMPRESSORS)} (default by the kind of store: "
+        f"{', '.join(f'{kind} {name}' for kind, name in DEFAULT_COMPRESSORS.items())}; a resumed store keeps its own)",
+    )
     p.add_argument(
         "--writer-threads", type=int, help="threads encoding and writing chunks (default 2 on CPU, up to 8 on GPU)"
     )

@@ -4,6 +4,7 @@ finish. ``run`` reads as that list; each stage is one function below it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import socket
@@ -30,7 +31,7 @@ from ..models import LoadedModel, build_model, library_versions
 from ..models.hf_text import input_device
 from ..names import Kind
 from ..store.chunks import Plan
-from ..store.schema import JobParts, codecs
+from ..store.schema import JobParts
 from ..store.store import FeatureStore, saved_index
 from .dist import process_state
 from .image_loop import image_loop
@@ -174,7 +175,6 @@ class _Job:
 
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
-    codecs(spec.compressor)  # an unknown --compressor is refused before the model is built
     _check_device_map(spec, state)
     model = _model_and_layers(spec, state.device)
     data = _data(spec, state, existing, model)
@@ -182,6 +182,8 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     if isinstance(data.dataset, TextSource):
         assert isinstance(model.layers, TextLayerSetup)
         text = prepare_text(spec, state, existing, model.loaded, model.layers, data.dataset, data.notes)
+    # the default depends on the kind of store, known from here; the identity and the store get the name
+    spec = dataclasses.replace(spec, compressor=spec.store_compressor(text.kind if text else Kind.IMAGES, existing))
     rows = len(data.dataset) if text is None else text.rows
     plan = _plan(spec, state, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
     return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan, text).attributes(), text)

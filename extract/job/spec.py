@@ -13,12 +13,17 @@ from typing import Any, get_args, get_origin, get_type_hints
 from ..data.decode import DECODES
 from ..errors import ExtractError
 from ..store.location import is_url, parse
+from ..store.schema import COMPRESSORS, codecs
 
 DTYPES = ("float16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_MAPS = ("auto",)
 MAX_TIMEOUT = 7 * 24 * 3600  # a barrier waited on for longer than a week is a hang, not a slow peer
 SEEDS = range(-(2**63), 2**64)  # what torch.manual_seed takes
+# --compressor when it is not given, by the kind of store (benchmarks/codecs.py; RESULTS.md, "Codecs"): a
+# text model's activations (per token or pooled per document) compress 1.08x with zstd-1, which costs 2.7x
+# the CPU to write and 2-3x to read; image maps after a ReLU compress 1.95x. A resumed store keeps its own.
+DEFAULT_COMPRESSORS = {"images": "zstd", "documents": "none", "tokens": "none"}
 
 
 @dataclass
@@ -37,7 +42,7 @@ class JobSpec:
     dtype: str = "float16"
     precision: str | None = None
     chunk_size: int | None = None
-    compressor: str = "zstd"
+    compressor: str | None = None  # None: DEFAULT_COMPRESSORS for the kind of store (``store_compressor``)
     truncate: bool = True
     overwrite: bool = False
     seed: int = 0
@@ -79,6 +84,8 @@ class JobSpec:
         _check_out(self.out)
         if self.num_workers is not None and self.num_workers < 0:
             raise ExtractError(f"--num-workers must be 0 or more, got {self.num_workers}")
+        if self.compressor is not None:
+            codecs(self.compressor)  # an unknown one is refused by name
         if self.dtype not in DTYPES:
             raise ExtractError(f"unknown --dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
         if self.decode not in DECODES:
@@ -92,6 +99,16 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def store_compressor(self, kind: str, existing: Mapping[str, Any] | None) -> str:
+        """The compressor a store of ``kind`` gets: ``--compressor`` if given; else, when the store at
+        ``--out`` is resumed (``existing``, its attributes, and no ``--overwrite``), the one its identity
+        records, so that a store made under another default (zstd, before text stores' became none) is
+        the same job; else ``DEFAULT_COMPRESSORS[kind]``. The identity records the answer, never None."""
+        if self.compressor is not None:
+            return self.compressor
+        recorded = (existing or {}).get("identity", {}).get("compressor") if not self.overwrite else None
+        return recorded if recorded in COMPRESSORS else DEFAULT_COMPRESSORS[kind]
 
     @classmethod
     def field_names(cls) -> list[str]:

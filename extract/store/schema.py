@@ -24,7 +24,7 @@ FORMAT = "extract-features"
 # and the identity attributes' digests in ``identity_sha256``
 FORMAT_VERSION = 3
 KNOWN_FORMAT_VERSIONS = (1, 2, 3)
-COMPRESSORS = ("zstd", "blosc", "none")
+COMPRESSORS = ("zstd", "blosc", "bitshuffle", "none")
 # numpy's variable-width strings: zarr writes them 3x faster than fixed-width "<U" (numpy >= 2)
 STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
 # the identity's fields a reader most often wants, copied to the top level of the attributes
@@ -40,6 +40,8 @@ def codecs(compressor: str) -> list[Any] | None:
         return [ZstdCodec(level=1)]
     if compressor == "blosc":
         return [BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")]
+    if compressor == "bitshuffle":  # blosc lz4 on the bits: the most bytes saved on dense activations, cheaply
+        return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")]
     if compressor == "none":
         return None
     raise ExtractError(f"unknown --compressor '{compressor}'; choose one of {', '.join(COMPRESSORS)}")
