@@ -100,7 +100,9 @@ def main() -> None:
     for name, runs in results.items():
         cpus = sorted(c / tokens * 1e6 for c, _ in runs)
         walls = sorted(w / tokens * 1e6 for _, w in runs)
-        print(f"| {name} | {cpus[0]:.2f} / {cpus[len(cpus) // 2]:.2f} | {walls[0]:.2f} / {walls[len(walls) // 2]:.2f} |")
+        print(
+            f"| {name} | {cpus[0]:.2f} / {cpus[len(cpus) // 2]:.2f} | {walls[0]:.2f} / {walls[len(walls) // 2]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -97,12 +97,14 @@ def test_token_rows_equal_the_corpus_concatenated():
         rows = TokenRows(source, model, 200, corpus)
         whole = rows.rows(0, int(corpus.offsets[-1]))
         if packing is None:
-            expected = np.concatenate([[(i + j) % VOCAB for j in range(min(200, n))] for i, n in enumerate(source.lengths)])
+            expected = np.concatenate(
+                [[(i + j) % VOCAB for j in range(min(200, n))] for i, n in enumerate(source.lengths)]
+            )
             assert whole.token_ids.tolist() == expected.tolist()
         else:
             stream = []
             for i, n in enumerate(source.lengths):
-                stream += ([packing.separator] if stream and packing.separator is not None else [])
+                stream += [packing.separator] if stream and packing.separator is not None else []
                 stream += [(i + j) % VOCAB for j in range(n)]
             contexts = len(stream) // packing.content
             body = np.array(stream[: contexts * packing.content]).reshape(contexts, packing.content)

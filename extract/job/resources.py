@@ -34,5 +34,3 @@ def warn_overflow(overflow: Mapping[str, int]) -> None:
                 "use --dtype float32 to keep them",
                 file=sys.stderr,
             )
-
-

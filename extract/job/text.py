@@ -15,6 +15,7 @@ rounding of every matmul, never depend on the process count or on which chunks a
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +55,18 @@ class TextBatch:
     @property
     def inputs(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+
+@dataclass
+class _Window:
+    """One window's work for a rank: its documents without tokens (document stores), the owned token
+    chunks whose token rows it writes, its batches (each a group of documents), and the token rows
+    they all need."""
+
+    empty: np.ndarray
+    columns: list[int]
+    groups: list[np.ndarray]
+    tokens: tuple[int, int] | None
 
 
 @dataclass
@@ -119,8 +132,18 @@ class TextBatches:
         )  # fmt: skip
 
     def __iter__(self) -> Iterator[TextBatch | ChunkColumns | np.ndarray]:
-        for window in self._windows():
-            yield from self._window(window)
+        """Window by window; the next window's documents are tokenized on a thread while this one's
+        batches run (the batch encoder releases the GIL), so the forward never waits for the tokenizer."""
+        plans = (plan for plan in map(self._plan_window, self._windows()) if plan is not None)
+        with ThreadPoolExecutor(1, thread_name_prefix="extract-tokenize") as tokenizer:
+            ready: tuple[_Window, Future[RowSlice] | None] | None = None
+            for plan in plans:
+                tokens = None if plan.tokens is None else tokenizer.submit(self.rows.rows, *plan.tokens)
+                if ready is not None:
+                    yield from self._window(*ready)
+                ready = (plan, tokens)
+            if ready is not None:
+                yield from self._window(*ready)
 
     def _windows(self) -> list[int]:
         """The windows this rank works in: those of its chunks, and in a token store those where a
@@ -135,7 +158,8 @@ class TextBatches:
                 windows.update(range(int(self.offsets[holder]) // chunk_size // size, chunk // size))
         return sorted(windows)
 
-    def _window(self, window: int) -> Iterator[TextBatch | ChunkColumns | np.ndarray]:
+    def _plan_window(self, window: int) -> _Window | None:
+        """What this rank does in ``window``, from the lengths alone: None when nothing."""
         plan, offsets = self.plan, self.offsets
         first_chunk = window * self.window
         last_chunk = min(first_chunk + self.window, plan.num_chunks) - 1
@@ -146,27 +170,36 @@ class TextBatches:
         else:
             documents = np.arange(start, stop)
         lengths = offsets[documents + 1] - offsets[documents]
+        empty = np.zeros(0, np.int64)
         if not self.per_token:
             empty = documents[(lengths == 0) & self._owned[documents // plan.chunk_size]]
-            if len(empty):
-                yield empty
         documents, lengths = documents[lengths > 0], lengths[lengths > 0]
         order = np.argsort(-lengths, kind="stable")
         needed = self._needed(documents)[order]
         groups = [documents[order[group]] for group in self._pack(lengths[order]) if needed[group].any()]
-        if not groups and not (owned and self.per_token):
-            return
+        columns = owned if self.per_token else []
+        if not groups and not columns:
+            return _Window(empty, [], [], None) if len(empty) else None
         ran = np.concatenate(groups) if groups else np.zeros(0, np.int64)
-        token_start = start if owned and self.per_token else int(offsets[ran.min()])
-        token_stop = max(stop if owned and self.per_token else 0, int(offsets[ran + 1].max()) if len(ran) else 0)
-        if not self.per_token:
+        if self.per_token:  # the owned chunks' rows (a document may begin before them) and the batches'
+            token_start = start if columns else int(offsets[ran.min()])
+            token_stop = max(stop if columns else 0, int(offsets[ran + 1].max()) if len(ran) else 0)
+        else:
             token_start, token_stop = int(offsets[ran.min()]), int(offsets[ran.max() + 1])
-        tokens = self.rows.rows(token_start, token_stop)
-        if self.per_token:
-            for chunk in owned:
-                yield ChunkColumns(chunk, tokens.columns(*plan.bounds(chunk)))
-        for group in groups:
-            yield self._batch(group, tokens)
+        return _Window(empty, columns, groups, (token_start, token_stop))
+
+    def _window(
+        self, window: _Window, tokens: Future[RowSlice] | None
+    ) -> Iterator[TextBatch | ChunkColumns | np.ndarray]:
+        if len(window.empty):
+            yield window.empty
+        if tokens is None:
+            return
+        rows = tokens.result()
+        for chunk in window.columns:
+            yield ChunkColumns(chunk, rows.columns(*self.plan.bounds(chunk)))
+        for group in window.groups:
+            yield self._batch(group, rows)
 
     def _needed(self, documents: np.ndarray) -> np.ndarray:
         """Which ``documents`` hold a row of this rank's chunks."""

@@ -107,7 +107,9 @@ class TextModel(LoadedModel):
             return self._encode_slow(text, context_length)
         return self._finished(self._backend.encode(text, add_special_tokens=False), context_length)
 
-    def encode_many(self, documents: Sequence[tuple[str | None, Sequence[int] | None]], context_length: int | None) -> list[Encoded]:
+    def encode_many(
+        self, documents: Sequence[tuple[str | None, Sequence[int] | None]], context_length: int | None
+    ) -> list[Encoded]:
         """``encode`` (``context_length`` given) or ``encode_content`` (None: ``--pack``'s untruncated
         content) of many documents, each a (text, input_ids) pair with exactly one given; the texts go
         through the tokenizer's batch encoder at once (its Rust threads), and every document's ids are
