@@ -301,6 +301,9 @@ def test_summary_and_attributes(cli, tmp_path):
     assert "9 samples" in summary and "img/s" in summary and "MiB stored" in summary and "compression" in summary
     attrs = json.loads((out / "zarr.json").read_text())["attributes"]
     assert attrs["summary"]["samples"] == 9 and attrs["summary"]["bytes_stored"] > 0
+    assert attrs["summary"]["unit"] == "samples" and attrs["summary"]["rows_per_second"] > 0
+    start = next(line for line in err.splitlines() if " as float16; " in line)
+    assert "; 9 samples in 3 chunks of 4; 1 process; " in start, start
     assert attrs["job"]["layers"] == ["layer3"] and attrs["dtype"] == "float16"
     assert zarr.open_group(out, mode="r")["features/layer3"].dtype == np.float16
 
@@ -315,3 +318,12 @@ def test_cached_torchvision_weights_are_used_offline(as_a_user_runs_it):
     expected = reference(model, images, {"layer4": ("layer4", None)}, pool="avg")["layer4"]
     assert np.abs(read(out, "layer4") - expected).max() <= 1e-5
     assert zarr.open_group(out, mode="r").attrs["weights"] == "ResNet18_Weights.IMAGENET1K_V1"
+
+
+def test_pool_help_names_the_text_pools():
+    """--help lists every --pool a store can be made with: the text pools (first and last) too."""
+    from extract.capture.tokens import TEXT_POOLS
+    from extract.cli.extract import build_parser
+
+    words = next(action.help for action in build_parser()._actions if "--pool" in action.option_strings)
+    assert all(pool in words for pool in TEXT_POOLS) and "a row per document" in words, words
