@@ -243,6 +243,7 @@ def as_a_user_runs_it(tmp_path_factory):
     return sequence
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_unknown_layer_exits_2_with_suggestions_and_creates_nothing(as_a_user_runs_it):
     result = as_a_user_runs_it.result("unknown-layer")
     assert result.codes == [2]
@@ -281,6 +282,7 @@ def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_weights_download_fails_with_clear_message(as_a_user_runs_it):
     result = as_a_user_runs_it.result("download")
     assert result.codes == [2], result.stderr
@@ -308,6 +310,7 @@ def test_summary_and_attributes(cli, tmp_path):
     assert zarr.open_group(out, mode="r")["features/layer3"].dtype == np.float16
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_cached_torchvision_weights_are_used_offline(as_a_user_runs_it):
     """--weights DEFAULT loads from the torch hub cache when the file is there (no network needed)."""
     result = as_a_user_runs_it.result("cached")

@@ -205,6 +205,7 @@ def launched(corpus, tmp_path_factory, request):
     }  # fmt: skip
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_two_and_three_processes_equal_one(launched, gpt2_reference):
     reference = open_features(gpt2_reference)
     for processes, sequence in ((2, launched["two"]), (3, launched["three"])):
@@ -218,6 +219,7 @@ def test_two_and_three_processes_equal_one(launched, gpt2_reference):
             assert not np.isnan(values).any() and _close(values, reference.load(layer)), (processes, layer)
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_a_token_job_on_s3_by_two_processes_equals_the_same_job_on_disk(launched, monkeypatch):
     """Issue 20: the store 2 ranks wrote to S3 holds, byte for byte, what the same job wrote to disk:
     features, token ids, special, offsets, labels, keys and done (every array, by listing)."""
@@ -242,6 +244,7 @@ def test_a_token_job_on_s3_by_two_processes_equals_the_same_job_on_disk(launched
     assert remote.attrs["runs"][-1]["world_size"] == 2
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_tampered_chunk(
     corpus, launched, gpt2_reference
 ):
@@ -303,6 +306,7 @@ def _packed_by_hand(model_dir, documents, separator_is_bos):
 
 
 @pytest.mark.parametrize("processes, kind", [(2, "gpt2"), (3, "llama")])
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(corpus, launched, processes, kind):
     import transformers as tf
 
@@ -330,6 +334,7 @@ def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(corpu
         )
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(corpus, launched, tmp_path):
     import shutil
 
@@ -358,6 +363,7 @@ def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(cor
         assert _close(repaired.load(layer), reference.load(layer)), layer
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_another_pack_length_is_another_job(corpus, launched, tmp_path, cli):
     import shutil
 
@@ -392,6 +398,7 @@ def test_bad_pack_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, ext
     assert not out.exists()
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_device_map_auto_on_the_cpu_equals_the_plain_run(corpus, gpt2_reference, tmp_path, cli, monkeypatch):
     """Without a GPU accelerate's dispatch puts every module on the CPU: the path runs whole here
     (several GPUs: benchmarks/gpu_check.sh)."""
@@ -457,7 +464,12 @@ def test_a_vision_model_with_text_is_refused(corpus, tmp_path, cli, model):
         from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
 
         config = Dinov2Config(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=32,
+            patch_size=8,
         )
         Dinov2Model(config).save_pretrained(tmp_path / "dinov2")
         BitImageProcessor(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}).save_pretrained(

@@ -261,7 +261,9 @@ def _neighbour_texts(
     found = np.array([texts.has(key) for key in keys])
     queries, order = _nearest(samples, found, config)
     if len(queries) == 0:
-        report.notes.append(f"nearest-neighbour documents skipped: fewer than 2 documents could be read ({texts.where})")
+        report.notes.append(
+            f"nearest-neighbour documents skipped: fewer than 2 documents could be read ({texts.where})"
+        )
         return
     report.passages_title = f"Nearest neighbours by cosine similarity of {samples.layer}"
     for query, (neighbours, similarity) in zip(queries, order, strict=True):
