@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     c = report["comparison"]
     print(
-        f"{args.device} bf16: {tested['samples']} tokens, {tested['images_per_second']:.0f} tok/s "
+        f"{args.device} bf16: {tested['samples']} tokens, {tested['rows_per_second']:.0f} tok/s "
         f"(wall {tested['wall_seconds']:.1f} s); cpu fp32: {reference['samples']} tokens, "
-        f"{reference['images_per_second']:.0f} tok/s"
+        f"{reference['rows_per_second']:.0f} tok/s"
     )
     print(
         f"{c['rows']} rows of {c['documents']} documents: identical {c['identical']}; row relative error max "

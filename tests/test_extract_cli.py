@@ -243,6 +243,7 @@ def as_a_user_runs_it(tmp_path_factory):
     return sequence
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_unknown_layer_exits_2_with_suggestions_and_creates_nothing(as_a_user_runs_it):
     result = as_a_user_runs_it.result("unknown-layer")
     assert result.codes == [2]
@@ -281,6 +282,7 @@ def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_weights_download_fails_with_clear_message(as_a_user_runs_it):
     result = as_a_user_runs_it.result("download")
     assert result.codes == [2], result.stderr
@@ -301,10 +303,14 @@ def test_summary_and_attributes(cli, tmp_path):
     assert "9 samples" in summary and "img/s" in summary and "MiB stored" in summary and "compression" in summary
     attrs = json.loads((out / "zarr.json").read_text())["attributes"]
     assert attrs["summary"]["samples"] == 9 and attrs["summary"]["bytes_stored"] > 0
+    assert attrs["summary"]["unit"] == "samples" and attrs["summary"]["rows_per_second"] > 0
+    start = next(line for line in err.splitlines() if " as float16; " in line)
+    assert "; 9 samples in 3 chunks of 4; 1 process; " in start, start
     assert attrs["job"]["layers"] == ["layer3"] and attrs["dtype"] == "float16"
     assert zarr.open_group(out, mode="r")["features/layer3"].dtype == np.float16
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_cached_torchvision_weights_are_used_offline(as_a_user_runs_it):
     """--weights DEFAULT loads from the torch hub cache when the file is there (no network needed)."""
     result = as_a_user_runs_it.result("cached")
@@ -315,3 +321,12 @@ def test_cached_torchvision_weights_are_used_offline(as_a_user_runs_it):
     expected = reference(model, images, {"layer4": ("layer4", None)}, pool="avg")["layer4"]
     assert np.abs(read(out, "layer4") - expected).max() <= 1e-5
     assert zarr.open_group(out, mode="r").attrs["weights"] == "ResNet18_Weights.IMAGENET1K_V1"
+
+
+def test_pool_help_names_the_text_pools():
+    """--help lists every --pool a store can be made with: the text pools (first and last) too."""
+    from extract.capture.tokens import TEXT_POOLS
+    from extract.cli.extract import build_parser
+
+    words = next(action.help for action in build_parser()._actions if "--pool" in action.option_strings)
+    assert all(pool in words for pool in TEXT_POOLS) and "a row per document" in words, words

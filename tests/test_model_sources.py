@@ -529,6 +529,7 @@ def test_open_clip_is_silenced_alone_while_it_builds(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("model", OFFLINE_LISTS)
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_list_layers_builds_without_weights_offline(model, offline):
     job = offline.result(f"list-{OFFLINE_LISTS.index(model)}")
     assert job.codes == [0], job.stderr

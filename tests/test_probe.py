@@ -33,7 +33,7 @@ def test_probe_learns_synthetic_classes(cli, capsys, tmp_path):
     assert main([str(out), "--layers", "layer4", "--epochs", "50", "--test-fraction", "0.25"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("layer4: test accuracy ")
-    assert "150 train / 50 test, 512 features" in lines[0]
+    assert "150 train / 50 test, 512 features, pool avg at extraction, 10 classes" in lines[0]  # not "pool none"
     # deterministic for a seed
     assert probe(out, ["layer4"], epochs=50, log=lambda line: None)["layer4"] == accuracies["layer4"]
 
@@ -303,7 +303,8 @@ def test_probe_compare_and_report_work_on_an_avg_k_store(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(out), "--method", "knn"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == ["layer2", "layer3"] and "128 features, pool avg" in lines[0]
+    assert [line.split(":")[0] for line in lines] == ["layer2", "layer3"]
+    assert "128 features, pool avg:2 at extraction, then avg" in lines[0] and "pool avg at extraction" in lines[1]
     assert compare_main([str(out)]) == 0
     assert "linear CKA" in capsys.readouterr().out
     assert report_main([str(out), "--out", str(tmp_path / "report.html")]) == 0

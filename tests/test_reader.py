@@ -288,3 +288,22 @@ def test_a_partial_dataset_serves_the_labels_of_chunks_written_after_it_was_made
     target["done"][1] = True
     dataset._cache.clear()  # the chunk read while unwritten is no longer cached (window moved on)
     assert [dataset[i][1] for i in range(CHUNK, 2 * CHUNK)] == source["labels"][CHUNK : 2 * CHUNK].tolist()
+
+
+def test_a_packed_store_names_its_samples_contexts(tmp_path):
+    """``--pack T``: the rows of ``offsets`` are contexts of T tokens, not documents; the documents are
+    those packed into them (one key each)."""
+    from text_models import real_documents, save_text_model, write_jsonl
+
+    documents = real_documents(12)
+    write_jsonl(tmp_path / "docs.jsonl", documents)
+    model = save_text_model("gpt2", tmp_path / "gpt2")
+    out = tmp_path / "packed.zarr"
+    assert main(["--model", f"hf:{model}", "--layers", "transformer.h.0", "--data", f"text:{tmp_path / 'docs.jsonl'}",
+                 "--pack", "48", "--out", str(out)]) == 0  # fmt: skip
+    f = open_features(out)
+    contexts = f.num_samples // 48
+    assert f.num_contexts == f.text.num_contexts == contexts == f.pack["contexts"] == len(f.offsets) - 1
+    assert f.num_source_documents == len(documents) == len(f.keys)
+    assert f"{f.num_samples} tokens in {contexts} contexts of 48, from {len(documents)} documents" in repr(f)
+    assert "num_contexts" in type(f.text).num_documents.__doc__  # the old name says what it counts here

@@ -265,3 +265,38 @@ def test_report_leaves_out_an_unusable_layer_and_marks_a_constant_one(tmp_path):
     assert titles[0] == "Probe accuracy per layer" and titles[2] == "PCA of b (60 samples)"
     assert "'constant': a layer whose features are the same" in report.figures[0].caption
     assert "grey 'const.' cells: a constant layer (cls0)" in report.figures[1].caption
+
+
+def test_a_document_store_shows_its_neighbours_as_text_read_from_its_source(tmp_path, capsys):
+    """A document store's neighbours are the first words of each document and its key, read back through
+    the text source the store records (not thumbnails, not 'the keys are not file paths')."""
+    import html as html_module
+
+    from text_models import real_documents, save_text_model, write_jsonl
+
+    from extract.cli.extract import main as extract_main
+
+    documents = real_documents(24)
+    write_jsonl(tmp_path / "docs.jsonl", documents, label=[i % 2 for i in range(len(documents))])
+    model = save_text_model("gpt2", tmp_path / "gpt2")
+    store = tmp_path / "docs.zarr"
+    assert extract_main(["--model", f"hf:{model}", "--layers", "transformer.h.0", "hidden_states.2", "--data",
+                         f"text:{tmp_path / 'docs.jsonl'}", "--label-key", "label", "--pool", "mean",
+                         "--context-length", "64", "--out", str(store)]) == 0  # fmt: skip
+    out = tmp_path / "r.html"
+    assert main([str(store), "--out", str(out), "--queries", "2", "--neighbours", "3"]) == 0
+    page = out.read_text()
+    assert "not file paths" not in page and "Nearest neighbours by cosine similarity of hidden_states.2" in page
+    assert "<th>documents</th><td>24 (24 used here)</td>" in page
+    queries = re.search(r"neighbour queries \(read from text:[^)]*\): ([^<]*)</li>", page).group(1).split(", ")
+    shown = re.findall(r"<code>(docs\.jsonl/(\d+))</code>(?:</h3><p>|<br>)([^<]*)", page)
+    assert len(shown) == 2 * (1 + 3) and [key for key, _, _ in shown[::4]] == queries
+    for key, line, text in shown:  # each document's own first words, by its key
+        words = html_module.unescape(text).removesuffix(" …")
+        assert len(words) > 20 and " ".join(documents[int(line)].split()).startswith(words), key
+    assert len(embedded(page)) == 3  # accuracy, CKA, PCA: the neighbours are text, not a picture
+    # the text must be the stored documents': edited data is not shown as theirs
+    write_jsonl(tmp_path / "docs.jsonl", [d.upper() for d in documents], label=[0] * len(documents))
+    assert main([str(store), "--out", str(out), "--queries", "2"]) == 0
+    assert "nearest-neighbour documents skipped: --data text:" in out.read_text()
+    assert "changed since the extraction" in out.read_text()

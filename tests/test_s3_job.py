@@ -141,6 +141,7 @@ def _forked(s3, what: str, timeout: float = 300) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_kill_storm_on_s3(s3):
     """SIGKILL at 10 points spread over every object a run writes to S3 (creation, chunks, the final
     marking) and at 6 chosen ones (the lock's create, the skeleton without its root metadata, mid-chunk,

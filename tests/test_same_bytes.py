@@ -25,6 +25,8 @@ from extract.store.location import open_store
 RAGGED = ["--context-length", "80", "--chunk-size", "32", "--tokens-per-batch", "96", "--dtype", "float32"]
 PACKED = ["--pack", "40", "--chunk-size", "48", "--tokens-per-batch", "120", "--dtype", "float32"]
 
+pytestmark = pytest.mark.slow  # every test here launches 1, 2 and 3 processes
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

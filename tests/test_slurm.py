@@ -23,7 +23,7 @@ import zarr
 from conftest import ROOT
 from test_distributed import assert_same_store
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 HELPER = ROOT / "tests" / "slurm" / "local_cluster.sh"
 SCRIPT = ROOT / "jobs" / "slurm_multinode.sh"

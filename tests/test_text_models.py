@@ -262,6 +262,7 @@ def test_a_vision_model_stays_vision_even_with_a_tokenizer(dinov2_dir, dirs, tmp
         build_model(f"hf:{both}", "DEFAULT", None, 0, None)
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_list_layers_offline_for_text_a_cached_hub_id_and_no_tokenizer(dirs, tmp_path):
     cache = tmp_path / "hf"
     snapshot = cache / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("0" * 40)

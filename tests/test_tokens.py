@@ -198,6 +198,7 @@ def launched(corpus, tmp_path_factory, request):
     }  # fmt: skip
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_two_and_three_processes_equal_one(launched, gpt2_reference):
     reference = open_features(gpt2_reference)
     for processes, sequence in ((2, launched["two"]), (3, launched["three"])):
@@ -211,6 +212,7 @@ def test_two_and_three_processes_equal_one(launched, gpt2_reference):
             assert not np.isnan(values).any() and _close(values, reference.load(layer)), (processes, layer)
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_a_token_job_on_s3_by_two_processes_equals_the_same_job_on_disk(launched, monkeypatch):
     """Issue 20: the store 2 ranks wrote to S3 holds, byte for byte, what the same job wrote to disk:
     features, token ids, special, offsets, labels, keys and done (every array, by listing)."""
@@ -235,6 +237,7 @@ def test_a_token_job_on_s3_by_two_processes_equals_the_same_job_on_disk(launched
     assert remote.attrs["runs"][-1]["world_size"] == 2
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_tampered_chunk(
     corpus, launched, gpt2_reference
 ):
@@ -296,6 +299,7 @@ def _packed_by_hand(model_dir, documents, separator_is_bos):
 
 
 @pytest.mark.parametrize("processes, kind", [(2, "gpt2"), (3, "llama")])
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(corpus, launched, processes, kind):
     import transformers as tf
 
@@ -323,6 +327,7 @@ def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(corpu
         )
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(corpus, launched, tmp_path):
     import shutil
 
@@ -351,6 +356,7 @@ def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(cor
         assert _close(repaired.load(layer), reference.load(layer)), layer
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_another_pack_length_is_another_job(corpus, launched, tmp_path, cli):
     import shutil
 
@@ -385,6 +391,7 @@ def test_bad_pack_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, ext
     assert not out.exists()
 
 
+@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
 def test_device_map_auto_on_the_cpu_equals_the_plain_run(corpus, gpt2_reference, tmp_path, cli, monkeypatch):
     """Without a GPU accelerate's dispatch puts every module on the CPU: the path runs whole here
     (several GPUs: benchmarks/gpu_check.sh)."""
@@ -432,19 +439,55 @@ def test_bad_text_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, cha
 
 
 def _own_lines(err: str) -> list[str]:
-    """stderr without transformers' own progress bar of loading the weights."""
-    return [line for line in err.strip().splitlines() if "Loading weights" not in line]
+    """stderr without transformers' own progress bars of loading (and saving) the weights."""
+    return [
+        line
+        for line in err.strip().splitlines()
+        if line.strip() and "Loading weights" not in line and "Writing model shards" not in line
+    ]
 
 
-def test_a_vision_model_with_text_is_refused(corpus, tmp_path, cli):
+@pytest.mark.parametrize("model", ["resnet18", "dinov2"])
+def test_a_vision_model_with_text_is_refused(corpus, tmp_path, cli, model):
+    """Refused as a vision model, before a layer runs: Dinov2's ``encoder`` returns a model output, which
+    would otherwise be what the message is about."""
     root = corpus[0]
     out = tmp_path / "v.zarr"
-    code, _, err = cli(
-        "--model", "resnet18", "--weights", "none", "--layers", "layer1", "--data", f"text:{root / 'docs.jsonl'}",
-        "--out", str(out),
-    )  # fmt: skip
-    assert code == 2 and "holds text" in err and len(_own_lines(err)) == 1, err
+    if model == "dinov2":
+        from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+        config = Dinov2Config(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=32,
+            patch_size=8,
+        )
+        Dinov2Model(config).save_pretrained(tmp_path / "dinov2")
+        BitImageProcessor(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}).save_pretrained(
+            tmp_path / "dinov2"
+        )
+        chosen = ["--model", f"hf:{tmp_path / 'dinov2'}", "--layers", "encoder"]
+    else:
+        chosen = ["--model", "resnet18", "--weights", "none", "--layers", "layer1"]
+    code, _, err = cli(*chosen, "--data", f"text:{root / 'docs.jsonl'}", "--out", str(out))
+    assert code == 2 and "holds text" in err and "is a vision model" in err and len(_own_lines(err)) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("pool, rows", [("none", "tokens"), ("mean", "documents")])
+def test_a_text_job_counts_its_rows_in_tokens_or_documents(corpus, tmp_path, cli, pool, rows):
+    """The start line, the summary line and the summary record say what a row is (no 'samples')."""
+    out = tmp_path / "t.zarr"
+    code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", pool))
+    assert code == 0, err
+    f = open_features(out)
+    start = next(line for line in err.splitlines() if " as float32; " in line)
+    assert f" as float32; {f.num_samples} {rows} in " in start and "samples" not in start, start
+    summary = f.attrs["summary"]
+    assert summary["unit"] == rows and summary["rows_per_second"] > 0
+    assert summary["images_per_second"] == summary["rows_per_second"]  # the old key, for older readers
 
 
 def test_resuming_with_another_tokenizer_is_refused(corpus, gpt2_reference, tmp_path, cli):

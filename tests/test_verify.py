@@ -211,6 +211,50 @@ def test_status_edited_to_complete_on_a_partial_store(capsys, tmp_path, stores, 
     repaired_then_rerun(capsys, tmp_path, copy, stores[0], "cleared their done flags")
 
 
+@pytest.mark.parametrize("status", ["running", "interrupted"])
+def test_a_status_edited_away_from_complete_is_named_and_set_right(capsys, tmp_path, stores, copy, status):
+    """Every chunk done but the status says otherwise: the attribute is named (not 'compute the other 0'),
+    and --repair sets it to complete."""
+    edit_attrs(copy, status=status)
+    code, line = verify(capsys, copy)
+    assert code == 1 and f"status is '{status}', but every chunk is done" in line, line
+    assert "status attribute disagrees with the done flags" in line and "the other 0" not in line, line
+    code, line = verify(capsys, copy, "--repair")
+    assert code == 1 and "restored the attribute status" in line and "all 12 done chunks are present" in line, line
+    assert verify(capsys, copy)[0] == 0
+    assert_reference(copy, stores[0])
+
+
+@pytest.fixture(scope="module")
+def text_store(tmp_path_factory):
+    """A small token store of a GPT-2-like model over real documents."""
+    from text_models import real_documents, save_text_model, write_jsonl
+
+    from extract.cli.extract import main
+
+    root = tmp_path_factory.mktemp("verify-text")
+    write_jsonl(root / "docs.jsonl", real_documents(8))
+    model = save_text_model("gpt2", root / "gpt2")
+    out = root / "tokens.zarr"
+    assert main(["--model", f"hf:{model}", "--layers", "transformer.h.0", "--data", f"text:{root / 'docs.jsonl'}",
+                 "--context-length", "64", "--chunk-size", "100", "--out", str(out)]) == 0  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("name", ["num_documents", "num_tokens"])
+def test_an_edited_count_of_a_text_store_is_named_and_restored(capsys, tmp_path, text_store, name):
+    copy = tmp_path / "t.zarr"
+    shutil.copytree(text_store, copy)
+    offsets = zarr.open_group(copy, mode="r")["offsets"][:]
+    right = {"num_documents": len(offsets) - 1, "num_tokens": int(offsets[-1])}[name]
+    edit_attrs(copy, **{name: right + 5})
+    code, line = verify(capsys, copy)
+    assert code == 1 and f"{name} is {right + 5}, but offsets holds {right}: the attribute was edited" in line, line
+    code, line = verify(capsys, copy, "--repair")
+    assert code == 1 and f"restored the attribute {name}" in line, line
+    assert zarr.open_group(copy, mode="r").attrs[name] == right and verify(capsys, copy)[0] == 0
+
+
 def test_a_rerun_of_a_complete_store_with_chunks_not_done_computes_them(tmp_path, stores, copy):
     partial(copy, [3, 9])
     edit_attrs(copy, status="complete")

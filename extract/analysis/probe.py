@@ -255,12 +255,13 @@ def _probe_layer(
             test_features.path, layer, f"it has {train_part.dim} features in {train_features.path} but "
             f"{test_part.dim} in {test_features.path}: the stores come from different models or pooling",
         )  # fmt: skip
+    extracted = pooled_at_extraction(train_features, layer)
     record: dict[str, Any] = {
-        "layer": layer, "method": options.method, "pool": layer_pool or "none", "split": how,
-        "num_train": len(train_part), "num_test": len(test_part), "num_features": train_part.dim,
+        "layer": layer, "method": options.method, "pool": layer_pool or "none", "pool_at_extraction": extracted,
+        "split": how, "num_train": len(train_part), "num_test": len(test_part), "num_features": train_part.dim,
         "num_classes": num_classes, "chance": 1 / num_classes,
     }  # fmt: skip
-    sizes = f"{len(train_part)} train / {len(test_part)} test, {train_part.dim} features, pool {record['pool']}"
+    sizes = f"{len(train_part)} train / {len(test_part)} test, {train_part.dim} features, pool {_pooling(layer_pool, extracted)}"
     if train_part.constant:
         record.update(constant=True, test_accuracy=None)
         log(f"{layer}: constant, not scored (every training sample has the same features: the layer does not "
@@ -272,6 +273,20 @@ def _probe_layer(
         f"{num_classes} classes, chance {1 / num_classes:.3f})"
     )
     return record
+
+
+def pooled_at_extraction(features: Features, layer: str) -> str | None:
+    """The pool ``layer`` was reduced by before it was stored (``--pool`` at extraction), or None."""
+    pool = (features.attrs.get("pools") or {}).get(layer)
+    return None if pool in (None, "none") else str(pool)
+
+
+def _pooling(read: str | None, extracted: str | None) -> str:
+    """How a layer's rows were reduced, in the log's words: a store pooled at extraction says so, rather
+    than 'none' for the probe's own (lack of) pooling."""
+    if extracted is None:
+        return read or "none"
+    return f"{extracted} at extraction" + (f", then {read}" if read else "")
 
 
 def _fit_and_test(

@@ -12,7 +12,8 @@
 - for a few query samples, their nearest neighbours as thumbnails with their file names: from the
   image files, or read by key from the shards, Parquet files or data set the store was extracted
   from (``extract.analysis.images``); skipped, with a note, when the store has no keys or the
-  images cannot be found.
+  images cannot be found. For a document store, the first words of each neighbouring document and
+  its key, read from the text source the store was extracted from (``extract.analysis.texts``).
 
 A layer that cannot be used is left out of each figure with a note; a constant one is marked.
 
@@ -34,6 +35,7 @@ import torch
 from PIL import Image
 
 from ..errors import ExtractError
+from ..names import Kind
 from ..read.features import Features
 from ..store.location import parse
 from . import figures
@@ -41,6 +43,7 @@ from .cka import Side, keys_and_classes, usable_cka
 from .images import SampleImages, sample_images
 from .probe import ProbeOptions, probe_rows, resolve_device, split
 from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, open_rows, select_layers
+from .texts import SampleTexts, sample_texts
 
 THUMBNAIL = 96  # pixels, the longer side
 PAGE_PIXELS = round(figures.PAGE_WIDTH * figures.DPI)  # the page's column, as wide as every figure
@@ -68,6 +71,16 @@ class ReportConfig:
             )
 
 
+@dataclass(frozen=True)
+class Passage:
+    """One document in the text neighbours: what it is to the query (its class, its similarity), its key
+    and its first words."""
+
+    caption: str
+    key: str
+    text: str
+
+
 @dataclass
 class Report:
     title: str
@@ -75,6 +88,9 @@ class Report:
     figures: list[figures.Png] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     table: list[list[str]] = field(default_factory=list)
+    # a document store's neighbours, as text (a picture of text would be neither searchable nor readable)
+    passages_title: str = ""
+    passages: list[list[Passage]] = field(default_factory=list)  # per query: the query, then its neighbours
 
     def html(self) -> str:
         rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in self.summary)
@@ -85,7 +101,8 @@ class Report:
             f"<style>body{{font-family:sans-serif;max-width:{PAGE_PIXELS}px;margin:2em auto;padding:0 1em}}"
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
             # a figure is drawn at the page's width: 1:1 there, scaled down (keeping its shape) on a narrower one
-            "figure{margin:2em 0}figure img{width:100%;height:auto}figcaption{color:#555}</style></head><body>",
+            "figure{margin:2em 0}figure img{width:100%;height:auto}figcaption{color:#555}"
+            ".passages li{margin:.3em 0}.passages code{color:#555}</style></head><body>",
             f"<h1>{html.escape(self.title)}</h1>",
             f"<table>{rows}</table>",
         ]
@@ -103,10 +120,25 @@ class Report:
                 + (f"<figcaption>{html.escape(png.caption)}</figcaption>" if png.caption else "")
                 + "</figure>"
             )
+        if self.passages:
+            parts.append(f"<h2>{html.escape(self.passages_title)}</h2>")
+            parts.extend(_passages_html(query, neighbours) for query, *neighbours in self.passages)
         if self.notes:
             parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in self.notes) + "</ul>")
         parts.append("</body></html>")
         return "\n".join(parts) + "\n"
+
+
+def _passages_html(query: Passage, neighbours: Sequence[Passage]) -> str:
+    def line(passage: Passage) -> str:
+        return (
+            f"<b>{html.escape(passage.caption)}</b> <code>{html.escape(passage.key)}</code><br>"
+            f"{html.escape(passage.text)}"
+        )
+
+    items = "".join(f"<li>{line(passage)}</li>" for passage in neighbours)
+    head = f"{html.escape(query.caption)} <code>{html.escape(query.key)}</code>"
+    return f'<div class="passages"><h3>{head}</h3><p>{html.escape(query.text)}</p><ol>{items}</ol></div>'
 
 
 def thumbnail(image: Image.Image) -> np.ndarray:
@@ -198,6 +230,9 @@ def _pca_figure(report: Report, samples: Samples, classes: list[str] | None) -> 
 
 def _neighbour_figure(report: Report, samples: Samples, config: ReportConfig) -> None:
     keys, classes = keys_and_classes(samples.features)
+    if keys is not None and samples.features.kind is Kind.DOCUMENTS:
+        _neighbour_texts(report, samples, [str(keys[row]) for row in samples.rows], classes, config)
+        return
     if keys is None:
         report.notes.append(
             "nearest-neighbour thumbnails skipped: the store has no keys (an older store or synthetic data)"
@@ -215,17 +250,66 @@ def _neighbour_figure(report: Report, samples: Samples, config: ReportConfig) ->
     report.notes.append(f"neighbour queries ({images.where}): {', '.join(images.keys[q] for q in queries)}")
 
 
+def _neighbour_texts(
+    report: Report, samples: Samples, keys: list[str], classes: list[str] | None, config: ReportConfig
+) -> None:
+    """A document store's neighbours: per query, the first words of it and of its nearest documents."""
+    texts = sample_texts(samples.features, keys)
+    if isinstance(texts, str):
+        report.notes.append(f"nearest-neighbour documents skipped: {texts}")
+        return
+    found = np.array([texts.has(key) for key in keys])
+    queries, order = _nearest(samples, found, config)
+    if len(queries) == 0:
+        report.notes.append(
+            f"nearest-neighbour documents skipped: fewer than 2 documents could be read ({texts.where})"
+        )
+        return
+    report.passages_title = f"Nearest neighbours by cosine similarity of {samples.layer}"
+    for query, (neighbours, similarity) in zip(queries, order, strict=True):
+        label = _class_name(int(samples.labels[query]), classes)
+        row = [_passage(texts, keys[query], f"query: {label}")]
+        row += [
+            _passage(texts, keys[i], f"{_class_name(int(samples.labels[i]), classes)} ({similarity[i]:.2f})")
+            for i in neighbours
+        ]
+        report.passages.append(row)
+    report.notes.append(f"neighbour queries ({texts.where}): {', '.join(keys[q] for q in queries)}")
+
+
+def _passage(texts: SampleTexts, key: str, caption: str) -> Passage:
+    return Passage(caption, key, texts.text(key) or "(the document cannot be read)")
+
+
+def _nearest(
+    samples: Samples, found: np.ndarray, config: ReportConfig
+) -> tuple[np.ndarray, list[tuple[list[int], np.ndarray]]]:
+    """The query positions (seeded, among those ``found``) and, per query, its nearest ``found`` neighbours
+    by cosine similarity (positions in ``samples``) with every sample's similarity to it."""
+    if found.sum() < 2:
+        return np.array([], dtype=int), []
+    values = torch.nn.functional.normalize(samples.load(), dim=1)
+    rng = np.random.default_rng((config.seed, 4))
+    queries = rng.choice(np.flatnonzero(found), min(config.queries, int(found.sum())), replace=False)
+    nearest = []
+    for query in queries:
+        similarity = values @ values[query]
+        similarity[query] = -np.inf
+        similarity[torch.from_numpy(~found)] = -np.inf
+        order = similarity.argsort(descending=True)[: config.neighbours].tolist()
+        nearest.append(([i for i in order if similarity[i] > -np.inf], similarity.numpy()))
+    return queries, nearest
+
+
 def _neighbour_rows(
     samples: Samples, images: SampleImages, classes: list[str] | None, config: ReportConfig
 ) -> tuple[list[list[tuple[np.ndarray, str]]], np.ndarray]:
     """One row of (thumbnail, caption) per query: the query, then its nearest neighbours among the
     samples whose image can be read; and the queries' positions in ``samples``."""
     found = np.array([images.has(i) for i in range(len(images.keys))])
-    if found.sum() < 2:
-        return [], np.array([], dtype=int)
-    values = torch.nn.functional.normalize(samples.load(), dim=1)
-    rng = np.random.default_rng((config.seed, 4))
-    queries = rng.choice(np.flatnonzero(found), min(config.queries, int(found.sum())), replace=False)
+    queries, nearest = _nearest(samples, found, config)
+    if len(queries) == 0:
+        return [], queries
 
     def cell(i: int, what: str) -> tuple[np.ndarray, str]:
         image = images.image(i)
@@ -233,17 +317,9 @@ def _neighbour_rows(
         return pixels, f"{what}\n{figures.short_file_name(images.keys[i])}"
 
     grid = []
-    for query in queries:
-        similarity = values @ values[query]
-        similarity[query] = -np.inf
-        similarity[torch.from_numpy(~found)] = -np.inf
-        order = similarity.argsort(descending=True)[: config.neighbours].tolist()
+    for query, (order, similarity) in zip(queries, nearest, strict=True):
         row = [cell(query, f"query: {_class_name(int(samples.labels[query]), classes)}")]
-        row += [
-            cell(i, f"{_class_name(int(samples.labels[i]), classes)} ({float(similarity[i]):.2f})")
-            for i in order
-            if similarity[i] > -np.inf
-        ]
+        row += [cell(i, f"{_class_name(int(samples.labels[i]), classes)} ({float(similarity[i]):.2f})") for i in order]
         grid.append(row)
     return grid, queries
 
@@ -285,7 +361,7 @@ def build_report(store: str | Path, config: ReportConfig | None = None) -> Repor
     report = Report(
         f"extract report: {parse(store).name}",
         [("store", str(store)), ("model", str(attrs.get("model"))), ("weights", str(attrs.get("weights"))),
-         ("dataset", str(attrs.get("dataset"))), ("samples", f"{features.num_samples} ({len(rows)} used here)"),
+         ("dataset", str(attrs.get("dataset"))), (features.kind.rows, f"{features.num_samples} ({len(rows)} used here)"),
          ("layers", ", ".join(layers))],
     )  # fmt: skip
     _accuracy_figures(report, features, layers, rows, config)

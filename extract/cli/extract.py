@@ -12,6 +12,7 @@ from typing import Any
 
 from ..capture.layout import Layout
 from ..capture.pooling import POOL_CHOICES
+from ..capture.tokens import TEXT_POOLS
 from ..data.registry import data_kinds
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
@@ -96,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool",
         nargs="+",
         metavar="P",
-        help=f"{' | '.join(POOL_CHOICES)} (default none: the full map), for every layer or per layer: "
-        "--pool layer3=avg layer4=none (later entries override earlier ones)",
+        help=f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token) or {' | '.join(TEXT_POOLS)} "
+        "(a row per document, over its real tokens); default none (the full map, every token); for every layer or "
+        "per layer: --pool layer3=avg layer4=none (later entries override earlier ones)",
     )
     p.add_argument(
         "--layout",

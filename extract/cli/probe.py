@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", nargs="+", metavar="L", help="layers or globs (encoder.layers.*) to probe (default: all)"
     )
     p.add_argument("--method", default=DEFAULTS.method, help="linear (default) or knn")
-    p.add_argument("--pool", help="avg | max | cls | mean | none (default: avg for maps, cls for tokens)")
+    p.add_argument(
+        "--pool",
+        help="avg | max | cls | mean | none (default: avg for maps, cls for tokens; a layer pooled at extraction "
+        "is read as stored)",
+    )
     p.add_argument(
         "--test-fraction",
         type=float,

@@ -61,8 +61,14 @@ class Summary:
     truncation: dict[str, int] | None = None  # text: documents truncated and tokens dropped, when tokenized now
 
     @property
-    def images_per_second(self) -> float:
+    def rows_per_second(self) -> float:
+        """Rows of the store's kind (images, documents or tokens) per second."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def images_per_second(self) -> float:
+        """The rate under its first name, whatever the rows are (readers of older summaries ask for it)."""
+        return self.rows_per_second
 
     @property
     def compression_ratio(self) -> float:
@@ -73,7 +79,9 @@ class Summary:
         return {
             "samples": self.samples,
             "seconds": round(self.seconds, 3),
-            "images_per_second": round(self.images_per_second, 2),
+            "rows_per_second": round(self.rows_per_second, 2),
+            "unit": self.kind.rows,  # what a row is: samples, documents or tokens
+            "images_per_second": round(self.rows_per_second, 2),  # the same rate, kept for older readers
             "bytes_stored": self.bytes_stored,
             "compression_ratio": round(self.compression_ratio, 3),
             "invalid_samples": self.invalid,
@@ -85,7 +93,7 @@ class Summary:
         skipped = f"; {self.invalid} bad {what} skipped (valid=False)" if self.invalid else ""
         rows, unit = self.kind.rows, self.kind.unit
         return (
-            f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.images_per_second:.1f} {unit}/s); "
+            f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.rows_per_second:.1f} {unit}/s); "
             f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
             f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
         )
@@ -176,8 +184,12 @@ class _Job:
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     _check_device_map(spec, state)
-    model = _model_and_layers(spec, state.device)
-    data = _data(spec, state, existing, model)
+    loaded, precision = _load_model(spec, state.device)
+    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases)  # a wrong name: refused before the listing
+    # the data before the layers are run: text for a vision model (or images for a text one) is refused as
+    # that, not as whatever the example forward of a layer chosen for the other kind returns
+    data = _data(spec, state, existing, loaded)
+    model = _set_up_layers(spec, state.device, loaded, refs, precision)
     text = None
     if isinstance(data.dataset, TextSource):
         assert isinstance(model.layers, TextLayerSetup)
@@ -200,7 +212,8 @@ def _check_device_map(spec: JobSpec, state: PartialState) -> None:
         )
 
 
-def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
+def _load_model(spec: JobSpec, device: torch.device) -> tuple[LoadedModel, str]:
+    """The model as its source builds it, and the precision it computes in."""
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
     loaded = build_model(
         spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision,
@@ -210,12 +223,18 @@ def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
         raise ExtractError(
             f"--device-map applies to hf: text models; --model {spec.model} is not one (drop --device-map)"
         )
+    return loaded, precision
+
+
+def _set_up_layers(
+    spec: JobSpec, device: torch.device, loaded: LoadedModel, refs: list[LayerRef], precision: str
+) -> _Model:
+    """The model on its device, with the layers ``refs`` set up by an example forward."""
     if loaded.kind == "text":  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
         autocast = contextlib.nullcontext()
         # a dispatched model stays where accelerate put it; it takes its inputs on its embeddings' device
         module = loaded.model if spec.device_map else loaded.model.to(device)
         device = input_device(module)
-        refs = resolve_layers(module, spec.layers, loaded.aliases)
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
         text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast)
         return _Model(
@@ -224,13 +243,12 @@ def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
     autocast = _autocast(device, precision)
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
     module = loaded.model.to(device, memory_format=memory_format)
-    refs = resolve_layers(module, spec.layers, loaded.aliases)
     example = loaded.example(2, device).to(memory_format=memory_format)
     layers = setup_layers(loaded, module, refs, spec.pool, spec.layout, example, autocast)
     return _Model(loaded, module, refs, layers, loaded.preprocessing, precision, autocast, memory_format)
 
 
-def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, model: _Model) -> _Data:
+def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, loaded: LoadedModel) -> _Data:
     """The data source, listed once (or read from the index kept with the store being resumed)."""
     options = DataOptions(
         spec.image_key, spec.label_key, spec.decode, spec.exif_transpose, text_key=spec.text_key,
@@ -239,19 +257,19 @@ def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
     index = saved_index(spec.out, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
-    loaded, side = model.loaded, max(model.loaded.input_size)
+    side = max(loaded.input_size)
     recorded = identity.get("data") if identity and not spec.overwrite else None
     dataset = build_dataset(
-        spec.data, loaded.preprocess, side, options, preprocessing=model.preprocessing, ranks=state, saved_index=index,
+        spec.data, loaded.preprocess, side, options, preprocessing=loaded.preprocessing, ranks=state, saved_index=index,
         recorded=recorded,
     )  # fmt: skip
-    _check_kinds(spec, model.loaded.kind, isinstance(dataset, TextSource))
+    _check_kinds(spec, loaded.kind, isinstance(dataset, TextSource))
     data = _Data(dataset)
     if index is not None:
         data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
     if spec.decode == "nvjpeg":
         device = state.device
-        data.gpu_decoder = GpuDecoder(dataset.decoding, model.preprocessing, device, side, dataset.describe)
+        data.gpu_decoder = GpuDecoder(dataset.decoding, loaded.preprocessing, device, side, dataset.describe)
         data.notes.append(
             f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {data.gpu_decoder.how}"
         )
@@ -391,13 +409,13 @@ def _share(
 
 
 def _plan_line(job: _Job, pending: list[int]) -> str:
-    """What is about to happen, in one line: the layers as stored, the samples, the chunks, the processes
-    and the store's size before compression."""
+    """What is about to happen, in one line: the layers as stored, the rows (samples, documents or
+    tokens), the chunks, the processes and the store's size before compression."""
     plan, processes = job.plan, job.state.num_processes
     layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
     todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
     return (
-        f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} samples in {_count(plan.num_chunks, 'chunk')} of "
+        f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} {job.kind.rows} in {_count(plan.num_chunks, 'chunk')} of "
         f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}; "
         f"{plan.num_samples * job.sample_bytes / 2**20:.1f} MiB before compression"
     )

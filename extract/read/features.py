@@ -233,7 +233,8 @@ class Features:
     @cached_property
     def keys(self) -> np.ndarray:
         """(N,) str: where each row came from (path relative to the root, ``shard/key``, ``file/row``); in a
-        token store (N_docs,), the documents' (``file.jsonl/LINE``, ``file.parquet/ROW``, ``split/ROW``)."""
+        token store (N_docs,), the documents' (``file.jsonl/LINE``, ``file.parquet/ROW``, ``split/ROW``); in a
+        packed one, the source documents' (``num_source_documents``; its rows' are ``doc``)."""
         if not self.store.has("keys"):
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind is Kind.TOKENS:
@@ -280,7 +281,16 @@ class Features:
 
     @property
     def num_documents(self) -> int:
+        """``offsets``' segments: documents, but a packed store's contexts (``TextView.num_documents``)."""
         return self.text.num_documents
+
+    @property
+    def num_contexts(self) -> int:
+        return self.text.num_contexts
+
+    @property
+    def num_source_documents(self) -> int:
+        return self.text.num_source_documents
 
     @property
     def token_documents(self) -> np.ndarray:
@@ -568,7 +578,15 @@ class Features:
         layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
         state = "complete" if self.complete else f"{int(self.present.sum())}/{self.num_samples} present"
         if self.kind is Kind.TOKENS:
-            return f"Features({str(self.path)!r}, {self.num_samples} tokens of {self.num_documents} documents, {state}; {layers})"
+            pack = self.pack
+            if pack is not None:  # its samples are contexts of T tokens; the documents are those packed into them
+                rows = (
+                    f"{self.num_samples} tokens in {self.num_contexts} contexts of {pack['context_length']}, "
+                    f"from {self.num_source_documents} documents"
+                )
+            else:
+                rows = f"{self.num_samples} tokens of {self.num_documents} documents"
+            return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
         rows = f"N={self.num_samples}" if self.kind is Kind.IMAGES else f"{self.num_samples} documents"
         return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
 

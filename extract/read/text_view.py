@@ -78,7 +78,26 @@ class TextView:
 
     @property
     def num_documents(self) -> int:
+        """The segments of ``offsets``: the documents, except in a packed store (``--pack``), where they are
+        the contexts (the model's sequences, each ``pack["context_length"]`` tokens) and the source
+        documents, which ``keys`` and ``doc`` name, number ``num_source_documents``. Kept under this name
+        for the readers written before packing; ``num_contexts`` says it plainly."""
         return len(self.offsets) - 1
+
+    @property
+    def num_contexts(self) -> int:
+        """The sequences the model ran: a packed store's contexts; in any other text store each document was
+        one (truncated to the context length), so this is ``num_documents``."""
+        return len(self.offsets) - 1
+
+    @property
+    def num_source_documents(self) -> int:
+        """The documents of the data: ``num_documents``, or in a packed store those packed into the contexts
+        (one key each)."""
+        pack = self.pack
+        if pack is None:
+            return self.num_documents
+        return int(pack.get("source_documents") or len(self.features.keys))
 
     @cached_property
     def token_documents(self) -> np.ndarray:

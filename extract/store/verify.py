@@ -26,6 +26,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
+from ..names import Kind
 from .chunks import Plan
 from .location import is_url
 from .schema import fingerprint, identity_digests
@@ -99,6 +100,7 @@ def verify(store: FeatureStore) -> Report:
     report = Report(store.path, plan.num_chunks, int(done.sum()), attrs.get("status") == "complete")
     report.problems = _attribute_problems(store, attrs) + _codec_problems(store, attrs)
     report.documents = store.document_damage()
+    report.problems += _count_problems(store, attrs, report.documents) + _status_problems(attrs, done)
     stored_done = store.stored_chunks("done", range(plan.num_chunks))
     for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
         report.damaged.setdefault(k, []).append("done does not decode")
@@ -202,6 +204,37 @@ def _attribute_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]
     return [f"{name} {detail}" for name, detail in edited.items()]
 
 
+def _counts(store: FeatureStore, attrs: dict[str, Any], damaged: list[str]) -> dict[str, int]:
+    """A text store's ``num_documents`` and ``num_tokens`` as its ``offsets`` gives them (a packed store's
+    documents are its contexts), where the offsets are the ones written at creation; empty otherwise."""
+    if not Kind.of(attrs).text or not store.has("offsets") or "offsets" in damaged:
+        return {}
+    offsets = np.asarray(store.array("offsets")[:])
+    return {"num_documents": len(offsets) - 1, "num_tokens": int(offsets[-1]) if len(offsets) else 0}
+
+
+def _count_problems(store: FeatureStore, attrs: dict[str, Any], damaged: list[str]) -> list[str]:
+    """The count attributes of a text store against its offsets: no digest covers them, and the read
+    API trusts the offsets, so an edited count would only mislead whoever reads the attributes."""
+    return [
+        f"{name} is {attrs.get(name)}, but offsets holds {value}: the attribute was edited"
+        for name, value in _counts(store, attrs, damaged).items()
+        if name in attrs and attrs[name] != value
+    ]
+
+
+def _status_problems(attrs: dict[str, Any], done: np.ndarray) -> list[str]:
+    """A status other than complete on a store whose every chunk is done: the attribute disagrees with
+    the done flags (edited, or the job stopped between its last chunk and marking the store complete)."""
+    status = attrs.get("status")
+    if status == "complete" or len(done) == 0 or not done.all():
+        return []
+    return [
+        f"status is '{status}', but every chunk is done: the status attribute disagrees with the done flags "
+        "(--repair sets it to complete)"
+    ]
+
+
 def _codec_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]:
     """Arrays whose codec chain lost its checksum: their objects would be read, and rewritten, unchecked."""
     if attrs.get("format_version", 0) < 2:  # format 1 wrote no checksums
@@ -224,7 +257,19 @@ def repair(store: FeatureStore, report: Report) -> Report:
             store.restore_checksum(name)
             restored.append(f"crc32c in {name}'s metadata")
     restored += _restore_attributes(store)
+    counts = {
+        name: value
+        for name, value in _counts(store, store.attrs, report.documents).items()
+        if name in store.attrs and store.attrs[name] != value
+    }
+    if counts:  # the offsets were proven the ones written at creation: they give the counts
+        store.update_attrs(**counts)
+        restored += [f"the attribute {name}" for name in counts]
     again = verify(FeatureStore.open(store.path, mode="r+")) if restored else report
+    if any(problem.startswith("status ") for problem in again.problems) and not again.damaged and not again.documents:
+        store.update_attrs(status="complete")  # every chunk is done and checked: the store is complete
+        again = verify(FeatureStore.open(store.path, mode="r+"))
+        restored.append("the attribute status (complete: every chunk is done)")
     store.clear_done(sorted(again.damaged))
     if again.documents and store.attrs.get("status") == "complete":  # the rerun writes them again
         store.update_attrs(status="running")
