@@ -255,10 +255,11 @@ def _probe_layer(
             test_features.path, layer, f"it has {train_part.dim} features in {train_features.path} but "
             f"{test_part.dim} in {test_features.path}: the stores come from different models or pooling",
         )  # fmt: skip
+    classes = train_features.classes
     record: dict[str, Any] = {
         "layer": layer, "method": options.method, "pool": layer_pool or "none", "split": how,
         "num_train": len(train_part), "num_test": len(test_part), "num_features": train_part.dim,
-        "num_classes": num_classes, "chance": 1 / num_classes,
+        "num_classes": num_classes, "chance": 1 / num_classes, "classes": classes,
     }  # fmt: skip
     sizes = f"{len(train_part)} train / {len(test_part)} test, {train_part.dim} features, pool {record['pool']}"
     if train_part.constant:
@@ -269,9 +270,18 @@ def _probe_layer(
     detail = _fit_and_test(record, train_part, test_part, num_classes, options, run_on)
     log(
         f"{layer}: test accuracy {record['test_accuracy']:.3f} ({detail}; {sizes}, "
-        f"{num_classes} classes, chance {1 / num_classes:.3f})"
+        f"{num_classes} classes{named(classes)}, chance {1 / num_classes:.3f})"
     )
     return record
+
+
+def named(classes: Sequence[str] | None, shown: int = 8) -> str:
+    """The store's class names for a line, `` (a, b, c)``, the first ``shown`` and a count of the rest;
+    empty where the store names none."""
+    if not classes:
+        return ""
+    more = f", ... {len(classes) - shown} more" if len(classes) > shown else ""
+    return f" ({', '.join(classes[:shown])}{more})"
 
 
 def _fit_and_test(

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..capture.layout import Layout
 from ..capture.pooling import POOL_CHOICES
+from ..capture.tokens import MODEL_POOL, TEXT_POOLS
 from ..data.registry import data_kinds
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
@@ -50,13 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--image-key", metavar="K", help="wds: image extension; parquet/hf: image column (default: detected)"
     )
-    p.add_argument("--label-key", metavar="K", help="wds: label extension (default cls); parquet/hf: column (label)")
+    p.add_argument(
+        "--label-key",
+        metavar="K",
+        help="wds: label extension (default cls); parquet/hf: column (label); text: field or column "
+        "(integers, or jsonl strings: class names)",
+    )
     p.add_argument("--text-key", metavar="K", help="text: the field or column that holds the text (default text)")
     p.add_argument(
         "--context-length",
         type=int,
         metavar="T",
-        help="text: tokens kept per document, longer ones truncated (default: the model's positions, at most 2048)",
+        help="text: tokens kept per document, longer ones truncated (default: a sentence-transformers model's "
+        "max_seq_length, else the model's positions, at most 2048)",
     )
     p.add_argument(
         "--device-map",
@@ -96,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool",
         nargs="+",
         metavar="P",
-        help=f"{' | '.join(POOL_CHOICES)} (default none: the full map), for every layer or per layer: "
+        help=f"{' | '.join(POOL_CHOICES)} (default none: the full map); text models: {' | '.join(TEXT_POOLS)} | "
+        f"{MODEL_POOL} (its sentence-transformers pooling); for every layer or per layer: "
         "--pool layer3=avg layer4=none (later entries override earlier ones)",
     )
     p.add_argument(

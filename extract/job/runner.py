@@ -25,7 +25,16 @@ from ..capture.hooks import Capture, Edit
 from ..capture.layers import LayerRef, resolve_layers
 from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
 from ..capture.staging import HostStaging
-from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, DataOptions, Source, build_dataset, reuses_index, saved_indexes
+from ..data import (
+    LEGACY_SAVED_INDEX,
+    SAVED_INDEX,
+    DataOptions,
+    Source,
+    attach_decoding,
+    open_dataset,
+    reuses_index,
+    saved_indexes,
+)
 from ..data.gpu_decode import GpuDecoder, collate_encoded
 from ..data.text import TextSource
 from ..errors import ExtractError
@@ -180,8 +189,11 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     codecs(spec.compressor)  # an unknown --compressor is refused before the model is built
     _check_device_map(spec, state)
+    # the data is listed before the model is built: a bad file or label is said in seconds, not after
+    # the weights have loaded (the model's transform is given to the images afterwards)
+    data = _data(spec, state, existing)
     model = _model_and_layers(spec, state.device)
-    data = _data(spec, state, existing, model)
+    _attach_model(spec, state, data, model)
     text = None
     if isinstance(data.dataset, TextSource):
         assert isinstance(model.layers, TextLayerSetup)
@@ -219,7 +231,7 @@ def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
         device = input_device(module)
         refs = resolve_layers(module, spec.layers, loaded.aliases)
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
-        text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast)
+        text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling)
         return _Model(
             loaded, module, refs, text_layers, loaded.preprocessing, precision, autocast, torch.contiguous_format
         )
@@ -232,32 +244,40 @@ def _model_and_layers(spec: JobSpec, device: torch.device) -> _Model:
     return _Model(loaded, module, refs, layers, loaded.preprocessing, precision, autocast, memory_format)
 
 
-def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, model: _Model) -> _Data:
+def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Data:
     """The data source, listed once (or read from the index kept with the store being resumed)."""
-    options = DataOptions(
-        spec.image_key, spec.label_key, spec.decode, spec.exif_transpose, text_key=spec.text_key,
-        skip_bad=spec.skip_bad_images,
-    )  # fmt: skip
+    options = _data_options(spec)
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
     index = saved_index(spec.out, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
-    loaded, side = model.loaded, max(model.loaded.input_size)
     recorded = identity.get("data") if identity and not spec.overwrite else None
-    dataset = build_dataset(
-        spec.data, loaded.preprocess, side, options, preprocessing=model.preprocessing, ranks=state, saved_index=index,
-        recorded=recorded,
-    )  # fmt: skip
-    _check_kinds(spec, model.loaded.kind, isinstance(dataset, TextSource))
+    dataset = open_dataset(spec.data, options, ranks=state, saved_index=index, recorded=recorded)
     data = _Data(dataset)
     if index is not None:
         data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
+    return data
+
+
+def _data_options(spec: JobSpec) -> DataOptions:
+    return DataOptions(
+        spec.image_key, spec.label_key, spec.decode, spec.exif_transpose, text_key=spec.text_key,
+        skip_bad=spec.skip_bad_images,
+    )  # fmt: skip
+
+
+def _attach_model(spec: JobSpec, state: PartialState, data: _Data, model: _Model) -> None:
+    """The data meets the model: the kinds must agree, and images get the model's own transform."""
+    loaded, side = model.loaded, max(model.loaded.input_size)
+    _check_kinds(spec, loaded.kind, isinstance(data.dataset, TextSource))
+    dataset = attach_decoding(
+        data.dataset, loaded.preprocess, side, _data_options(spec), preprocessing=model.preprocessing
+    )
     if spec.decode == "nvjpeg":
         device = state.device
         data.gpu_decoder = GpuDecoder(dataset.decoding, model.preprocessing, device, side, dataset.describe)
         data.notes.append(
             f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {data.gpu_decoder.how}"
         )
-    return data
 
 
 def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
@@ -312,6 +332,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
         source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
         layers=[ref.name for ref in model.refs], shapes=layers.shapes, pools=layers.pools,
         layouts=layers.stored_layouts(), data_listing_sha256=data.dataset.listing_sha256(),
+        model_pooling=layers.model_pooling.record() if isinstance(layers, TextLayerSetup) and layers.model_pooling else None,
         classes=data.dataset.classes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         precision=model.precision, versions=library_versions(loaded.source),
         image_root=None if data.dataset.image_root is None else str(data.dataset.image_root),
