@@ -71,7 +71,7 @@ def main() -> None:
         for _ in range(copies):
             for text in texts:
                 f.write(json.dumps({"text": text}) + "\n")
-    source = open_text(str(corpus), DataRequest(f"text:{corpus}", 1, DataOptions(None, None, "pil", False)))
+    source = open_text(str(corpus), DataRequest(f"text:{corpus}", DataOptions(None, None, "pil", False)))
     context = args.context_length
 
     def one_at_a_time() -> tuple[int, list[int]]:

@@ -59,7 +59,7 @@ def as_made_before(out: str, spec: str, options: DataOptions) -> None:
     unresolved, and the listing hashed as the source lists it at that path."""
     group = zarr.open_group(out, mode="r+")
     identity = dict(group.attrs["identity"])
-    source = open_source(DataRequest(spec, 32, options))
+    source = open_source(DataRequest(spec, options))
     identity.update(data=spec, data_listing_sha256=source.listing_sha256())
     group.attrs.update({"identity": identity, "fingerprint": fingerprint(identity)})
     if "index/wds" in group:  # the shard index it kept lists the shards at that path too

@@ -283,7 +283,7 @@ def test_a_gzip_line_and_a_txt_file_that_are_not_utf8(tmp_path):
      ({"text": None}, {}, "'text' is null"),
      ({"input_ids": [1, "2"]}, {}, "'input_ids' is a list holding a string, not a list of integer token ids"),
      ({"input_ids": [1, True]}, {}, "'input_ids' is a list holding a boolean"),
-     ({"text": "x", "y": "cat"}, {"label_key": "y"}, "label 'y' (--label-key) is a string, not an integer"),
+     ({"text": "x", "y": "cat"}, {"label_key": "y"}, "label 'y' (--label-key) is a string (\"cat\"), but"),
      ({"text": "x", "y": 2**63}, {"label_key": "y"}, "does not fit in int64"),
      ({"text": "x", "y": 1.0}, {"label_key": "y"}, "label 'y' (--label-key) is a number (1.0), not an integer")],
 )  # fmt: skip
@@ -395,7 +395,7 @@ def _listed_by_rank(rank: int, spec: str, init: str, out: Path) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     ranks = type("Ranks", (), {"process_index": rank, "num_processes": 2})()
     try:
-        source = open_source(DataRequest(spec, 0, DataOptions(), ranks))
+        source = open_source(DataRequest(spec, DataOptions(), ranks))
         result = {"keys": source.keys(), "hash": source.listing_sha256(), "scanned": scanned}
     except ExtractError as e:
         result = {"error": str(e)}
@@ -433,3 +433,47 @@ def test_two_ranks_split_the_listing_and_get_the_same_source(corpus, tmp_path):
     (tmp_path / "bad" / "b.jsonl.gz").write_bytes(b"not gzip")
     errors = [r["error"] for r in _two_ranks(tmp_path, f"text:{tmp_path}/bad/*", "bad")]
     assert errors[0] == errors[1] and "b.jsonl.gz is not a readable gzip file" in errors[0]
+
+
+def test_string_labels_become_classes_in_sorted_order(tmp_path):
+    """A string label field is a class name: the corpus's distinct names, sorted, are its classes (as a
+    ClassLabel's names are), and each document's label is its name's index; null is no label."""
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:6], topic=["sports", "arts", None, "science", "arts", "sports"])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        topics = ["zoology", "arts", "é"]
+        f.writelines(json.dumps({"text": d, "topic": t}) + "\n" for d, t in zip(DOCS[6:9], topics, strict=True))
+    source = _source(f"text:{tmp_path}/*", label_key="topic")
+    assert source.classes == ["arts", "science", "sports", "zoology", "é"]
+    documents = list(source.documents(0, len(source)))
+    assert [d.label for d in documents] == [2, 0, -1, 1, 0, 2, 3, 0, 4]
+    assert [source.classes[d.label] for d in documents if d.label >= 0] == [
+        "sports", "arts", "science", "arts", "sports", "zoology", "arts", "é",
+    ]  # fmt: skip
+    before = source.listing_sha256()
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:6], topic=["sport", "arts", None, "science", "arts", "sports"])
+    assert _source(f"text:{tmp_path}/*", label_key="topic").listing_sha256() != before
+
+
+def test_labels_of_two_kinds_are_refused_when_listed_naming_the_first_of_the_other(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:3], y=[None, 1, "cat"])
+    message = _error(lambda: _source(f"text:{tmp_path}/a.jsonl", label_key="y"))  # listed, not read
+    assert message == (
+        f"{tmp_path}/a.jsonl line 3: label 'y' (--label-key) is a string (\"cat\"), but {tmp_path}/a.jsonl line 2 "
+        "holds an integer (1); labels are all class ids or all class names: make them one kind"
+    )
+    write_jsonl(tmp_path / "a.jsonl", DOCS[:2], y=[0, 1])
+    write_jsonl(tmp_path / "b.jsonl", DOCS[2:5], y=[None, "cat", "dog"])
+    message = _error(lambda: _source(f"text:{tmp_path}/*.jsonl", label_key="y"))
+    assert message.startswith(f"{tmp_path}/b.jsonl line 2: labels 'y' (--label-key) are class names (strings), ")
+    assert f"but {tmp_path}/a.jsonl line 1 holds class ids (integers)" in message and "\n" not in message
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "x", "y": 0}) + "\n" + json.dumps({"text": "z", "y": 2.5}))
+    message = _error(lambda: _source(f"text:{tmp_path}/b.jsonl", label_key="y"))
+    assert message.startswith(f"{tmp_path}/b.jsonl line 2: label 'y' (--label-key) is a number (2.5), not an integer")
+
+
+def test_a_line_that_is_not_json_is_left_to_the_reading_when_labels_are_listed(tmp_path):
+    path = tmp_path / "a.jsonl"
+    lines = json.dumps({"text": "x", "y": "b"}) + "\n{oops\n" + json.dumps({"text": "z", "y": "a"}) + "\n"
+    path.write_text("\ufeff" + lines, encoding="utf-8")  # a BOM too: line 1 is read as the reading reads it
+    documents = _read_all(f"text:{path}", label_key="y", skip_bad=True)
+    assert [d.label for d in documents] == [1, -1, 0] and "line 2 is not JSON" in documents[1].error

@@ -297,3 +297,68 @@ def test_list_layers_offline_for_text_a_cached_hub_id_and_no_tokenizer(dirs, tmp
         f"save it there with tokenizer.save_pretrained({no_tokenizer})"
     )
     assert not (tmp_path / "o").exists()
+
+
+# --- a sentence-transformers folder's own pipeline (--pool model) ------------------------------
+
+
+def _sentence_folder(source: Path, folder: Path, modules: list[str], pooling: dict | None, **settings) -> Path:
+    """``source`` (a saved model) with sentence-transformers files: ``modules`` by type after the
+    Transformer, the Pooling module's ``pooling`` config and ``sentence_bert_config.json`` ``settings``."""
+    import json
+
+    shutil.copytree(source, folder)
+    listed = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+    for number, kind in enumerate(modules, 1):
+        listed.append({"idx": number, "name": str(number), "path": f"{number}_{kind}",
+                       "type": f"sentence_transformers.models.{kind}"})  # fmt: skip
+        (folder / f"{number}_{kind}").mkdir()
+        if kind == "Pooling" and pooling is not None:
+            (folder / f"{number}_{kind}" / "config.json").write_text(json.dumps(pooling))
+    (folder / "modules.json").write_text(json.dumps(listed))
+    (folder / "sentence_bert_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("pooling", "modules", "pool", "normalize"),
+    [({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, ["Pooling"], "first", False),
+     ({"pooling_mode_mean_tokens": False}, ["Pooling", "Normalize"], "mean", True),  # no flag set: mean
+     ({"pooling_mode": "lasttoken"}, ["Pooling", "Normalize"], "last", True),
+     ({"pooling_mode": ["max"]}, ["Pooling"], "max", False)],
+)  # fmt: skip
+def test_a_sentence_transformers_folder_names_its_pooling_and_length(dirs, tmp_path, pooling, modules, pool, normalize):
+    folder = _sentence_folder(dirs["bert"], tmp_path / "st", modules, pooling, max_seq_length=1000)
+    model = build_model(f"hf:{folder}", "DEFAULT", None, 0, None)
+    applied = model.model_pooling()
+    assert (applied.pool, applied.normalize) == (pool, normalize)
+    assert "modules.json" in applied.source and str(tmp_path) not in applied.source  # the same wherever installed
+    assert model.default_context_length == 256  # max_seq_length, at most the model's 256 positions
+
+
+@pytest.mark.parametrize(
+    ("pooling", "modules", "words"),
+    [({"pooling_mode": "weightedmean"}, ["Pooling"], "pools by weightedmean, which extract does not reproduce"),
+     ({"pooling_mode": ["mean", "max"]}, ["Pooling"], "pools by mean + max"),
+     ({"pooling_mode": "mean"}, ["Pooling", "Dense", "Normalize"], "has a Dense module (2_Dense) that extract does not apply"),
+     (None, ["Pooling"], "names a Pooling module whose 1_Pooling/config.json is missing"),
+     (None, ["Normalize"], "has a Normalize module (1_Normalize) that extract does not apply")],
+)  # fmt: skip
+def test_a_pipeline_extract_cannot_follow_refuses_only_pool_model(dirs, tmp_path, pooling, modules, words):
+    folder = _sentence_folder(dirs["bert"], tmp_path / "st", modules, pooling, max_seq_length=128)
+    model = build_model(f"hf:{folder}", "DEFAULT", None, 0, None)
+    assert model.default_context_length == 128  # --pool mean still truncates where encode does
+    with pytest.raises(ExtractError, match="--pool model") as caught:
+        model.model_pooling()
+    assert words in str(caught.value) and "use --pool mean" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_model_without_sentence_transformers_files_keeps_its_positions(loaded, dirs):
+    model = loaded["bert"]
+    assert model.default_context_length is None
+    with pytest.raises(ExtractError) as caught:
+        model.model_pooling()
+    assert str(caught.value) == (
+        f"--pool model follows a sentence-transformers pipeline, but {dirs['bert'] / 'modules.json'} does not "
+        "exist; use --pool mean, max, first, last"
+    )

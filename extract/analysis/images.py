@@ -102,7 +102,8 @@ def _from_source(features: Features, dataset: str, keys: Sequence[str]) -> Sampl
     options = DataOptions(job.get("image_key"), job.get("label_key"))
     same = reuses_index(features.attrs.get("identity"), dataset, options)
     saved = saved_index(features.path, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if same else None
-    source = open_source(DataRequest(dataset, int(job.get("image_size") or 224), options, None, saved))
+    source = open_source(DataRequest(dataset, options, None, saved))
+    source.image_size = int(job.get("image_size") or 224)  # synthetic images are drawn at the job's size
     position = {key: i for i, key in enumerate(source.keys())}
     if sum(key in position for key in keys) < 2:
         raise ExtractError("it no longer holds the stored keys")

@@ -256,10 +256,11 @@ def _probe_layer(
             f"{test_part.dim} in {test_features.path}: the stores come from different models or pooling",
         )  # fmt: skip
     extracted = pooled_at_extraction(train_features, layer)
+    classes = train_features.classes
     record: dict[str, Any] = {
         "layer": layer, "method": options.method, "pool": layer_pool or "none", "pool_at_extraction": extracted,
         "split": how, "num_train": len(train_part), "num_test": len(test_part), "num_features": train_part.dim,
-        "num_classes": num_classes, "chance": 1 / num_classes,
+        "num_classes": num_classes, "chance": 1 / num_classes, "classes": classes,
     }  # fmt: skip
     sizes = f"{len(train_part)} train / {len(test_part)} test, {train_part.dim} features, pool {_pooling(layer_pool, extracted)}"
     if train_part.constant:
@@ -270,7 +271,7 @@ def _probe_layer(
     detail = _fit_and_test(record, train_part, test_part, num_classes, options, run_on)
     log(
         f"{layer}: test accuracy {record['test_accuracy']:.3f} ({detail}; {sizes}, "
-        f"{num_classes} classes, chance {1 / num_classes:.3f})"
+        f"{num_classes} classes{named(classes)}, chance {1 / num_classes:.3f})"
     )
     return record
 
@@ -287,6 +288,15 @@ def _pooling(read: str | None, extracted: str | None) -> str:
     if extracted is None:
         return read or "none"
     return f"{extracted} at extraction" + (f", then {read}" if read else "")
+
+
+def named(classes: Sequence[str] | None, shown: int = 8) -> str:
+    """The store's class names for a line, `` (a, b, c)``, the first ``shown`` and a count of the rest;
+    empty where the store names none."""
+    if not classes:
+        return ""
+    more = f", ... {len(classes) - shown} more" if len(classes) > shown else ""
+    return f" ({', '.join(classes[:shown])}{more})"
 
 
 def _fit_and_test(

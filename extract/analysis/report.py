@@ -41,12 +41,13 @@ from ..store.location import parse
 from . import figures
 from .cka import Side, keys_and_classes, usable_cka
 from .images import SampleImages, sample_images
-from .probe import ProbeOptions, probe_rows, resolve_device, split
+from .probe import ProbeOptions, named, probe_rows, resolve_device, split
 from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, open_rows, select_layers
 from .texts import SampleTexts, sample_texts
 
 THUMBNAIL = 96  # pixels, the longer side
 PAGE_PIXELS = round(figures.PAGE_WIDTH * figures.DPI)  # the page's column, as wide as every figure
+CLASSES_SHOWN = 20  # class names listed in the summary (the PCA legend shows as many)
 
 
 @dataclass(frozen=True)
@@ -358,15 +359,17 @@ def build_report(store: str | Path, config: ReportConfig | None = None) -> Repor
     if len(valid) > config.max_samples:
         rows = np.sort(np.random.default_rng((config.seed, 5)).choice(valid, config.max_samples, replace=False))
     attrs = features.attrs
+    _, classes = keys_and_classes(features)
     report = Report(
         f"extract report: {parse(store).name}",
         [("store", str(store)), ("model", str(attrs.get("model"))), ("weights", str(attrs.get("weights"))),
          ("dataset", str(attrs.get("dataset"))), (features.kind.rows, f"{features.num_samples} ({len(rows)} used here)"),
          ("layers", ", ".join(layers))],
     )  # fmt: skip
+    if classes:  # the names the labels index (a ClassLabel, a dictionary column, the strings of a jsonl field)
+        report.summary.append(("classes", f"{len(classes)}{named(classes, CLASSES_SHOWN)}"))
     _accuracy_figures(report, features, layers, rows, config)
     _cka_figure(report, features, layers, rows, config)
-    _, classes = keys_and_classes(features)
     pca_samples = _pca_samples(report, features, layers, rows, config)
     if pca_samples is not None:
         _pca_figure(report, pca_samples, classes)

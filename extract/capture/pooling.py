@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..errors import ExtractError
 from .layers import LayerRef, matches_glob, shape_text
 from .layout import Layout
+from .tokens import MODEL_POOL
 
 Pool = Callable[[torch.Tensor], torch.Tensor]
 
@@ -83,6 +84,11 @@ def make_pool(spec: str, layout: Layout | str | None = Layout.NCHW) -> Pool | No
         return _tokens(spec, token_axis, lambda x: x[:, 0])
     if spec == "mean":
         return _tokens(spec, token_axis, lambda x: x.mean(dim=1))
+    if spec == MODEL_POOL:  # a text model's own pipeline: its files name it (capture.tokens.ModelPooling)
+        raise ExtractError(
+            f"--pool {MODEL_POOL} is the pooling a text model's sentence-transformers files name; "
+            f"an image layer takes one of {', '.join(POOL_CHOICES)}"
+        )
     raise ExtractError(f"unknown --pool '{spec}'; choose one of {', '.join(POOL_CHOICES)}")
 
 

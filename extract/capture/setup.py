@@ -18,7 +18,7 @@ from .hooks import Capture
 from .layers import LayerRef, describe, shape_text
 from .layout import Layout, infer_layout, selected_shape
 from .pooling import Pool, PoolShapeError, make_pool, per_layer
-from .tokens import TEXT_POOLS, TextReduce, TextSelection, TextShapeError
+from .tokens import MODEL_POOL, TEXT_POOLS, ModelPooling, TextReduce, TextSelection, TextShapeError
 
 Run = Callable[[Any], Any]
 Example = torch.Tensor | Mapping[str, torch.Tensor]  # a batch of pixels, or of tokenized text (input_ids...)
@@ -242,6 +242,7 @@ class TextLayerSetup(LayerSetup):
 
     selection: TextSelection = field(default_factory=TextSelection)
     per_token: bool = True
+    model_pooling: ModelPooling | None = None  # what --pool model applies, where a layer asks for it
 
     def stored_layouts(self) -> dict[str, str | None]:
         """A text row is one vector (a token's, or a document's pooled): no layout to record."""
@@ -255,29 +256,44 @@ def setup_text_layers(
     pool: str | Sequence[str],
     example: Mapping[str, torch.Tensor],
     autocast: Any,
+    model_pooling: Callable[[], ModelPooling] | None = None,
 ) -> TextLayerSetup:
     """One forward of ``example`` (input_ids and attention_mask, (B, T)) validates the layers: each must
     give (B, T, ...). Every layer is either stored per token (``--pool none``) or pooled per document
-    (mean, max, first, last): a job is one or the other."""
-    outputs = _capture(loaded, model, refs, example, autocast)  # type: ignore[arg-type]
+    (mean, max, first, last, or ``model``: what ``model_pooling()`` says, which raises where the model
+    names no pooling of its own): a job is one or the other."""
     pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
     if len({value == "none" for value in pools.values()}) > 1:
         given = ", ".join(f"{name}={value}" for name, value in pools.items())
         raise ExtractError(
             f"--pool gives {given}: a text job stores every layer per token (none) or every layer per document "
-            f"({', '.join(TEXT_POOLS)}); use one kind for all layers, or run two jobs"
+            f"({', '.join(TEXT_POOLS)}, {MODEL_POOL}); use one kind for all layers, or run two jobs"
         )
+    applied = None
+    if MODEL_POOL in pools.values():  # before the forward: a model without a pooling of its own is one line
+        if model_pooling is None:
+            raise ExtractError(
+                f"--pool {MODEL_POOL}: this model names no pooling of its own; use {', '.join(TEXT_POOLS)}"
+            )
+        applied = model_pooling()
+    outputs = _capture(loaded, model, refs, example, autocast)  # type: ignore[arg-type]
     selection = TextSelection()
     batch = tuple(example["input_ids"].shape)
     reduce: dict[str, Pool | None] = {}
     shapes, layouts = {}, {}
     for ref in refs:
-        reduce[ref.name] = TextReduce(pools[ref.name], selection)
+        chosen = pools[ref.name]
+        if chosen == MODEL_POOL:
+            assert applied is not None
+            reduce[ref.name] = TextReduce(applied.pool, selection, normalize=applied.normalize)
+        else:
+            reduce[ref.name] = TextReduce(chosen, selection)
         shape = tuple(outputs[ref.name].shape)
         if len(shape) < 3 or shape[:2] != batch:
             raise TextShapeError(shape, batch).for_layer(ref.name)  # type: ignore[arg-type]
         shapes[ref.name] = shape[2:]
         layouts[ref.name] = Layout.NLC if len(shape) == 3 else None
     return TextLayerSetup(
-        pools, reduce, layouts, shapes, selection=selection, per_token=all(value == "none" for value in pools.values())
-    )
+        pools, reduce, layouts, shapes, selection=selection, per_token=all(value == "none" for value in pools.values()),
+        model_pooling=applied,
+    )  # fmt: skip

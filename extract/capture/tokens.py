@@ -5,17 +5,42 @@ The loop sets ``TextSelection`` before each forward; every layer's ``TextReduce`
 the attention-mask-aware pooling sentence-transformers uses: ``mean`` sums the real tokens and divides
 by their count, ``max`` ignores padded positions, ``first`` takes position 0 (a CLS token) and
 ``last`` the last real token (how embedding models built on causal LMs pool).
+
+``--pool model`` is a model's own pooling (``ModelPooling``): one of those, then an L2 normalization
+where the model's pipeline has one (sentence-transformers' ``Normalize``); the model source reads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ExtractError
 
 TEXT_POOLS = ("mean", "max", "first", "last")
+MODEL_POOL = "model"  # --pool model: the pooling the model's own files name (ModelPooling)
+
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """``--pool model``: the pooling a model's own pipeline applies to its token rows, as the model
+    source read it from the model's files: ``pool`` (one of ``TEXT_POOLS``), then an L2
+    normalization where ``normalize``. ``source`` says which files said so, for the store's record."""
+
+    pool: str
+    normalize: bool
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.pool not in TEXT_POOLS:
+            raise ValueError(f"pool {self.pool!r}: choose one of {', '.join(TEXT_POOLS)}")
+
+    def record(self) -> dict[str, Any]:
+        """What the store records as applied (``model_pooling``)."""
+        return {"pool": self.pool, "normalize": self.normalize, "source": self.source}
 
 
 @dataclass
@@ -29,14 +54,18 @@ class TextSelection:
 
 
 class TextReduce:
-    """``pool`` ``none``: the stored token rows (R, ...); else one pooled row per document (B, ...)."""
+    """``pool`` ``none``: the stored token rows (R, ...); else one pooled row per document (B, ...),
+    L2-normalized where ``normalize`` (``--pool model`` of a model whose pipeline normalizes)."""
 
-    def __init__(self, pool: str, selection: TextSelection) -> None:
+    def __init__(self, pool: str, selection: TextSelection, normalize: bool = False) -> None:
         if pool != "none" and pool not in TEXT_POOLS:
             raise ExtractError(
-                f"--pool {pool} does not apply to a text layer; use none (per token) or {', '.join(TEXT_POOLS)}"
+                f"--pool {pool} does not apply to a text layer; use none (per token), {', '.join(TEXT_POOLS)} "
+                f"or {MODEL_POOL}"
             )
-        self.pool, self.selection = pool, selection
+        if normalize and pool == "none":
+            raise ValueError("normalize applies to a pooled row, not to --pool none")
+        self.pool, self.selection, self.normalize = pool, selection, normalize
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mask = self.selection.mask
@@ -48,6 +77,8 @@ class TextReduce:
             assert self.selection.flat is not None
             return x.flatten(0, 1)[self.selection.flat.to(x.device)]
         pooled = pool_tokens(x, mask.to(x.device), self.pool)
+        if self.normalize:  # in float32, as sentence-transformers normalizes its float32 embedding
+            pooled = F.normalize(pooled.float().flatten(1), dim=1).view(pooled.shape)
         return pooled if self.selection.order is None else pooled[self.selection.order.to(x.device)]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..capture.layout import Layout
 from ..capture.pooling import POOL_CHOICES
-from ..capture.tokens import TEXT_POOLS
+from ..capture.tokens import MODEL_POOL, TEXT_POOLS
 from ..data.registry import data_kinds
 from ..errors import ExtractError
 from ..job.interrupt import Interrupted
@@ -51,13 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--image-key", metavar="K", help="wds: image extension; parquet/hf: image column (default: detected)"
     )
-    p.add_argument("--label-key", metavar="K", help="wds: label extension (default cls); parquet/hf: column (label)")
+    p.add_argument(
+        "--label-key",
+        metavar="K",
+        help="wds: label extension (default cls); parquet/hf: column (label); text: field or column "
+        "(integers, or jsonl strings: class names)",
+    )
     p.add_argument("--text-key", metavar="K", help="text: the field or column that holds the text (default text)")
     p.add_argument(
         "--context-length",
         type=int,
         metavar="T",
-        help="text: tokens kept per document, longer ones truncated (default: the model's positions, at most 2048)",
+        help="text: tokens kept per document, longer ones truncated (default: a sentence-transformers model's "
+        "max_seq_length, else the model's positions, at most 2048)",
     )
     p.add_argument(
         "--device-map",
@@ -97,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pool",
         nargs="+",
         metavar="P",
-        help=f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token) or {' | '.join(TEXT_POOLS)} "
-        "(a row per document, over its real tokens); default none (the full map, every token); for every layer or "
-        "per layer: --pool layer3=avg layer4=none (later entries override earlier ones)",
+        help=f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token), {' | '.join(TEXT_POOLS)} "
+        f"(a row per document, over its real tokens) or {MODEL_POOL} (its sentence-transformers pooling and "
+        "normalization); default none (the full map, every token); for every layer or per layer: "
+        "--pool layer3=avg layer4=none (later entries override earlier ones)",
     )
     p.add_argument(
         "--layout",

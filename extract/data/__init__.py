@@ -7,6 +7,10 @@ images live in; or, for text (``text:GLOB``, an ``hf:`` dataset with a text colu
 whose ``documents(start, stop)`` streams ``Document``s, with the same keys, classes and hash. The
 listing is made once per job (rank 0, or split across ranks), not on every rank. It is opened at ``job_data(spec)``, the spec with its path resolved, which the job's identity records:
 the same folder given as a relative or an absolute path is the same job.
+
+A job lists its data before it builds the model (``open_dataset``: no model is needed for it) and
+gives an image source the model's transform afterwards (``attach_decoding``); ``build_dataset`` is
+the two at once.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ __all__ = [
     "Source",
     "SyntheticImages",
     "TextSource",
+    "attach_decoding",
     "build_dataset",
     "job_data",
+    "open_dataset",
     "reuses_index",
     "saved_indexes",
 ]
@@ -55,16 +61,45 @@ def build_dataset(
     ``recorded``: the data its identity records (see ``job_data``). The source's ``spec`` is the data
     as the job's identity records it."""
     options = options or DataOptions()
+    source = open_dataset(spec, options, ranks=ranks, saved_index=saved_index, recorded=recorded)
+    return attach_decoding(source, preprocess, image_size, options, preprocessing=preprocessing)
+
+
+def open_dataset(
+    spec: str,
+    options: DataOptions | None = None,
+    *,
+    ranks: Ranks | None = None,
+    saved_index: bytes | None = None,
+    recorded: str | None = None,
+) -> Source | TextSource:
+    """``build_dataset`` without the model: the data listed (and refused where it is empty or bad),
+    its images not yet given a transform (``attach_decoding``)."""
+    options = options or DataOptions()
     recorded_as = job_data(spec, recorded)
-    source = open_source(DataRequest(spec, image_size, options, ranks, saved_index), at=recorded_as)
+    source = open_source(DataRequest(spec, options, ranks, saved_index), at=recorded_as)
     if len(source) == 0:
         with_what = (
             "files or a dataset with documents" if isinstance(source, TextSource) else "a folder or list with images"
         )
         raise ExtractError(f"--data {spec} is empty; point it at {with_what}")
     source.spec = recorded_as
+    return source
+
+
+def attach_decoding(
+    source: Source | TextSource,
+    preprocess: Transform | None,
+    image_size: int,
+    options: DataOptions | None = None,
+    *,
+    preprocessing: dict[str, Any] | None = None,
+) -> Source | TextSource:
+    """An image source given the model's transform at its input size; a text source as it is (the
+    model's tokenizer reads its documents)."""
     if isinstance(source, TextSource):
-        return source  # no decoding: the model's tokenizer reads the documents
+        return source
+    options = options or DataOptions()
     source.decoding = Decoding(
         preprocess, options.decode, preprocessing=preprocessing, exif_transpose=options.exif_transpose
     )

@@ -197,11 +197,11 @@ class DataOptions:
 @dataclass(frozen=True)
 class DataRequest:
     """What opening a source may use besides its location: the whole ``--data`` (for messages), the
-    model's input size, the options, the process state (to list once per job) and a shard index
-    kept with the store."""
+    options, the process state (to list once per job) and a shard index kept with the store. Not the
+    model: a job lists its data before it builds the model (the model's input size comes later, as
+    ``Source.image_size``)."""
 
     spec: str
-    image_size: int
     options: DataOptions
     ranks: Ranks | None = None
     saved_index: bytes | None = None

@@ -42,8 +42,11 @@ class SyntheticImages(Dataset):
 
 
 class SyntheticSource(Source):
-    def __init__(self, size: int, image_size: int, classes: int = 10) -> None:
-        self.size, self.side, self.num_classes = size, image_size, classes
+    """Synthetic images drawn at ``image_size`` (the model's input size: ``attach_decoding`` sets it
+    once the model is built, after the listing)."""
+
+    def __init__(self, size: int, classes: int = 10) -> None:
+        self.size, self.num_classes = size, classes
 
     def __len__(self) -> int:
         return self.size
@@ -52,7 +55,7 @@ class SyntheticSource(Source):
         return f"synthetic/{index}"
 
     def load(self, index: int) -> tuple[RawImage, int]:
-        return synthetic_image(index, self.side, self.num_classes), index % self.num_classes
+        return synthetic_image(index, self.image_size, self.num_classes), index % self.num_classes
 
     @property
     def notice(self) -> str:
@@ -82,7 +85,7 @@ def open_synthetic(count: str, request: DataRequest) -> SyntheticSource:
             f"--data {request.spec}: {size} samples need about {size * BYTES_PER_SAMPLE / 2**30:.0f} GiB of memory "
             f"for their keys and labels alone, more than this machine's {memory / 2**30:.0f} GiB; use fewer"
         )
-    return SyntheticSource(size, request.image_size)
+    return SyntheticSource(size)
 
 
 SOURCE = DataSource("synthetic", location="N", example="synthetic:512", open=open_synthetic)

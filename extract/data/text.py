@@ -7,8 +7,11 @@
 
 A field or column ``input_ids`` (a list of integers) is taken as already tokenized where the text
 field is absent (or with ``--text-key input_ids``). Labels come from ``--label-key`` (none without
-it): an integer field, or in Parquet an integer column (class names from Hugging Face's
-``ClassLabel`` metadata) or a dictionary column (its values are the class names).
+it): in jsonl an integer field, or a string field whose distinct values, sorted, are the class names
+(a label is its name's index); in Parquet an integer column (class names from Hugging Face's
+``ClassLabel`` metadata) or a dictionary column (its values are the class names). A corpus's labels
+are all class ids or all class names. jsonl labels are read when the files are listed (a second,
+cheap pass of each file), so that a bad one is refused before the model loads.
 
 Keys are ``file.jsonl/LINE`` (0-based), ``file.txt`` and ``file.parquet/ROW``, the file relative to
 the glob's literal folder. Files are sorted by name, and a glob may mix the extensions.
@@ -139,8 +142,10 @@ class TextFile:
     marks: list[int] = field(default_factory=list)  # jsonl: byte offset of lines 0, 4096, 8192, ...
     row_groups: list[int] = field(default_factory=list)  # parquet: rows per row group
     column: str | None = None  # parquet: the text (or input_ids) column
-    label_names: bool = False  # parquet: the label column is a dictionary column of class names
-    names: list[str] | None = None  # parquet: the class names its data gives
+    label_names: bool = False  # its labels are class names (parquet: a dictionary column; jsonl: strings)
+    names: list[str] | None = None  # the class names its data gives (jsonl: sorted)
+    label_ids: bool = False  # its labels are integers (class ids)
+    label_at: str = ""  # where its first label is, for messages: "a.jsonl line 3", "b.parquet column 'y'"
 
 
 @dataclass
@@ -268,8 +273,10 @@ def _parquet_labels(file: TextFile, parquet: Any, label_key: str) -> None:
             f"--data text: {file.path} has no column '{label_key}' (--label-key); it has {', '.join(schema.names)}"
         )
     kind = schema.field(label_key).type
+    file.label_at = f"{file.path} column '{label_key}'"
     if pa.types.is_integer(kind):
         file.names = _class_names(schema, label_key)
+        file.label_ids = True
         return
     if not (pa.types.is_dictionary(kind) and _is_string(kind.value_type)):
         raise ExtractError(
@@ -283,15 +290,63 @@ def _parquet_labels(file: TextFile, parquet: Any, label_key: str) -> None:
     file.names = list(names)
 
 
+def _jsonl_labels(file: TextFile, stream: IO[bytes], label_key: str) -> None:
+    """A jsonl file's labels, read while listing: integers (class ids) or strings (class names, their
+    distinct values kept sorted: memory grows with the classes, not the lines), not both. A label that
+    is neither, or a line without the field, is refused now, naming the line; a line that is not a JSON
+    object is left to the reading, which names it or records it invalid (``--skip-bad-images``)."""
+    names: set[str] = set()
+    first: dict[type, tuple[int, Any]] = {}  # int | str -> (line, value) of its first label
+    for number, raw in enumerate(stream, 1):
+        try:  # decoded as the reading decodes it (a BOM may open the file)
+            record = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(record, dict):
+            continue
+        where = f"{file.path} line {number}"
+        if label_key not in record:
+            fields = ", ".join(record) or "none"
+            raise ExtractError(f"{where} has no field '{label_key}' (--label-key) (it has: {fields})")
+        value = record[label_key]
+        if isinstance(value, str):
+            names.add(value)
+        else:
+            checked_label(value, label_key, lambda where=where: where)  # an integer that fits int64, or null
+        if value is not None and type(value) not in first:
+            first[type(value)] = (number, value)
+    if len(first) > 1:
+        (line, value), (other_line, other) = sorted(first.values(), key=lambda seen: seen[0])
+        raise _mixed_labels(f"{file.path} line {other_line}", other, f"{file.path} line {line}", value, label_key)
+    if str in first:
+        file.label_names, file.names = True, sorted(names)
+    file.label_ids = int in first
+    if first:
+        file.label_at = f"{file.path} line {next(iter(first.values()))[0]}"
+
+
+def _mixed_labels(where: str, value: Any, first: str, first_value: Any, label_key: str) -> ExtractError:
+    """Class ids and class names in one corpus: named at the first label of the other kind."""
+    return ExtractError(
+        f"{where}: label '{label_key}' (--label-key) is {_label_kind(value)}, but {first} holds "
+        f"{_label_kind(first_value)}; labels are all class ids or all class names: make them one kind"
+    )
+
+
+def _label_kind(value: Any) -> str:
+    return f"a string ({json.dumps(value)[:40]})" if isinstance(value, str) else f"an integer ({value})"
+
+
 def _scan(file: TextFile, text_key: str | None, label_key: str | None) -> TextFile:
-    """One file's documents counted and its contents hashed (one rank's share of the listing)."""
+    """One file's documents counted and its contents hashed (one rank's share of the listing); a
+    jsonl file's labels read (``_jsonl_labels``) where ``label_key`` names them."""
     try:
-        if file.kind == "jsonl":
-            with open(file.path, "rb") as f:
-                _count_lines(file, f, marks=True)
-        elif file.kind == "jsonl.gz":
-            with gzip.open(file.path, "rb") as f:
-                _count_lines(file, f, marks=False)  # no seeking in a gzip stream
+        if file.kind in ("jsonl", "jsonl.gz"):
+            with open(file.path, "rb") if file.kind == "jsonl" else gzip.open(file.path, "rb") as f:
+                _count_lines(file, f, marks=file.kind == "jsonl")  # no seeking in a gzip stream
+            if label_key is not None:  # a second pass: a line's JSON is parsed only when labels are asked for
+                with open(file.path, "rb") if file.kind == "jsonl" else gzip.open(file.path, "rb") as f:
+                    _jsonl_labels(file, f, label_key)
         elif file.kind == "txt":
             if label_key is not None:
                 raise ExtractError(
@@ -333,22 +388,32 @@ def _scan_parquet(file: TextFile, text_key: str | None, label_key: str | None) -
     file.digest = _parquet_footer(file.path)
 
 
-def _classes(files: list[TextFile]) -> list[str] | None:
-    """The corpus's class names: those its Parquet files give, which must agree (a dictionary column's
-    names are merged in order, since each file lists the values it holds)."""
-    named = [f for f in files if f.names is not None]
+def _classes(files: list[TextFile], label_key: str | None) -> list[str] | None:
+    """The corpus's class names: those its files give, which must agree. Files hold labels one way,
+    class ids or class names (refused naming the first label of the other kind). Names from jsonl
+    strings are sorted (with a dictionary column's, where both are); a dictionary column's alone
+    are merged in order, since each file lists the values it holds."""
+    labelled = [f for f in files if f.label_ids or f.label_names]
+    if not labelled:
+        return None
+    head = labelled[0]
+    other = next((f for f in labelled if (f.label_names, f.label_ids) != (head.label_names, head.label_ids)), None)
+    if other is not None:
+        kinds = ("class names (strings)", "class ids (integers)")
+        theirs, ours = kinds if other.label_names else kinds[::-1]
+        raise ExtractError(
+            f"{other.label_at}: labels '{label_key}' (--label-key) are {theirs}, but {head.label_at} holds {ours}; "
+            "labels are all class ids or all class names: make them one kind"
+        )
+    named = [f for f in labelled if f.names is not None]
     if not named:
         return None
-    if len({f.label_names for f in named}) > 1:
-        raise ExtractError(
-            f"--data text: {named[0].path} and {next(f.path for f in named if f.label_names != named[0].label_names)} "
-            "hold labels differently (class ids, class names); make them one kind"
-        )
-    if named[0].label_names:
+    if head.label_names:
         merged: dict[str, None] = {}
         for f in named:
             merged.update(dict.fromkeys(f.names or []))
-        return list(merged)
+        strings = any(f.kind != "parquet" for f in named)  # jsonl names: in sorted order
+        return sorted(merged) if strings else list(merged)
     for f in named[1:]:
         if f.names != named[0].names:
             raise ExtractError(f"--data text: {f.path} names its classes differently from {named[0].path}")
@@ -360,7 +425,7 @@ def list_text(pattern: str, options: DataOptions, ranks: Ranks | None = None) ->
     root, files = on_one_rank(ranks, lambda: _matched(pattern))
     text_key, label_key = options.text_key, options.label_key
     scanned = split_across_ranks(ranks, files, lambda f: _scan(f, text_key, label_key))
-    return TextListing(root, scanned, _classes(scanned))
+    return TextListing(root, scanned, _classes(scanned, label_key))
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -476,7 +541,7 @@ class TextFiles(TextSource):
             if self.label_key not in record:
                 fields = ", ".join(record) or "none"
                 raise ExtractError(f"{where} has no field '{self.label_key}' (--label-key) (it has: {fields})")
-            label = checked_label(record[self.label_key], self.label_key, lambda: where)
+            label = self._label(record[self.label_key], where)
         name = self.text_key or ("text" if "text" in record or TOKENS not in record else TOKENS)
         if name not in record:
             strings = [k for k, v in record.items() if isinstance(v, str)]
@@ -484,6 +549,14 @@ class TextFiles(TextSource):
             fields = ", ".join(record) or "none"
             raise ExtractError(f"{where} has no field '{name}' (it has: {fields}); use --text-key {use}")
         return text_document(record[name], name, name == TOKENS, label, lambda: where)
+
+    def _label(self, value: Any, where: str) -> int:
+        """A jsonl label: a class name's index among the corpus's classes, or an integer as given."""
+        if not isinstance(value, str):
+            return checked_label(value, self.label_key or "", lambda: where)
+        if value not in self.class_ids:
+            raise ExtractError(f"{where}: label '{value[:40]}' was not in the file when it was listed; it changed")
+        return self.class_ids[value]
 
     def _parquet(self, file: TextFile, lo: int, hi: int) -> Iterator[Document]:
         import pyarrow as pa

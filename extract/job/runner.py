@@ -23,7 +23,16 @@ from torch import nn
 from ..capture.hooks import Edit
 from ..capture.layers import LayerRef, resolve_layers
 from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
-from ..data import LEGACY_SAVED_INDEX, SAVED_INDEX, DataOptions, Source, build_dataset, reuses_index, saved_indexes
+from ..data import (
+    LEGACY_SAVED_INDEX,
+    SAVED_INDEX,
+    DataOptions,
+    Source,
+    attach_decoding,
+    open_dataset,
+    reuses_index,
+    saved_indexes,
+)
 from ..data.gpu_decode import GpuDecoder
 from ..data.text import TextSource
 from ..errors import ExtractError
@@ -184,11 +193,14 @@ class _Job:
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     _check_device_map(spec, state)
+    # the data is listed before the model is built: a bad file or label is said in seconds, not after
+    # the weights have loaded (the model's transform is given to the images afterwards)
+    data = _data(spec, state, existing)
     loaded, precision = _load_model(spec, state.device)
-    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases)  # a wrong name: refused before the listing
-    # the data before the layers are run: text for a vision model (or images for a text one) is refused as
+    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases)  # a wrong name: refused before the forward
+    # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns
-    data = _data(spec, state, existing, loaded)
+    _attach_model(spec, state, data, loaded)
     model = _set_up_layers(spec, state.device, loaded, refs, precision)
     text = None
     if isinstance(data.dataset, TextSource):
@@ -236,7 +248,7 @@ def _set_up_layers(
         module = loaded.model if spec.device_map else loaded.model.to(device)
         device = input_device(module)
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
-        text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast)
+        text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling)
         return _Model(
             loaded, module, refs, text_layers, loaded.preprocessing, precision, autocast, torch.contiguous_format
         )
@@ -248,32 +260,40 @@ def _set_up_layers(
     return _Model(loaded, module, refs, layers, loaded.preprocessing, precision, autocast, memory_format)
 
 
-def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None, loaded: LoadedModel) -> _Data:
+def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Data:
     """The data source, listed once (or read from the index kept with the store being resumed)."""
-    options = DataOptions(
-        spec.image_key, spec.label_key, spec.decode, spec.exif_transpose, text_key=spec.text_key,
-        skip_bad=spec.skip_bad_images,
-    )  # fmt: skip
+    options = _data_options(spec)
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
     index = saved_index(spec.out, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
-    side = max(loaded.input_size)
     recorded = identity.get("data") if identity and not spec.overwrite else None
-    dataset = build_dataset(
-        spec.data, loaded.preprocess, side, options, preprocessing=loaded.preprocessing, ranks=state, saved_index=index,
-        recorded=recorded,
-    )  # fmt: skip
-    _check_kinds(spec, loaded.kind, isinstance(dataset, TextSource))
+    dataset = open_dataset(spec.data, options, ranks=state, saved_index=index, recorded=recorded)
     data = _Data(dataset)
     if index is not None:
         data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
+    return data
+
+
+def _data_options(spec: JobSpec) -> DataOptions:
+    return DataOptions(
+        spec.image_key, spec.label_key, spec.decode, spec.exif_transpose, text_key=spec.text_key,
+        skip_bad=spec.skip_bad_images,
+    )  # fmt: skip
+
+
+def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: LoadedModel) -> None:
+    """The data meets the model: the kinds must agree, and images get the model's own transform."""
+    side = max(loaded.input_size)
+    _check_kinds(spec, loaded.kind, isinstance(data.dataset, TextSource))
+    dataset = attach_decoding(
+        data.dataset, loaded.preprocess, side, _data_options(spec), preprocessing=loaded.preprocessing
+    )
     if spec.decode == "nvjpeg":
         device = state.device
         data.gpu_decoder = GpuDecoder(dataset.decoding, loaded.preprocessing, device, side, dataset.describe)
         data.notes.append(
             f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {data.gpu_decoder.how}"
         )
-    return data
 
 
 def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
@@ -328,6 +348,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
         source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
         layers=[ref.name for ref in model.refs], shapes=layers.shapes, pools=layers.pools,
         layouts=layers.stored_layouts(), data_listing_sha256=data.dataset.listing_sha256(),
+        model_pooling=layers.model_pooling.record() if isinstance(layers, TextLayerSetup) and layers.model_pooling else None,
         classes=data.dataset.classes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         precision=model.precision, versions=library_versions(loaded.source),
         image_root=None if data.dataset.image_root is None else str(data.dataset.image_root),

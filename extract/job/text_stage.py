@@ -27,7 +27,7 @@ from .resources import default_writer_threads, warn_overflow
 from .spec import JobSpec
 from .text import ChunkColumns, TextBatch, TextBatches
 
-MAX_DEFAULT_CONTEXT = 2048  # --context-length's default: the model's positions, at most this
+MAX_DEFAULT_CONTEXT = 2048  # --context-length's default where the model sets none: its positions, at most this
 TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
 
 
@@ -114,7 +114,9 @@ def prepare_text(
         )
     if spec.pack is not None and positions is not None and spec.pack > positions:
         raise ExtractError(f"--pack {spec.pack} is beyond the model's {positions} positions; use at most {positions}")
-    context = spec.pack or spec.context_length or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+    # a model whose own files set a length (sentence-transformers' max_seq_length) was used at that length
+    own = loaded.default_context_length
+    context = spec.pack or spec.context_length or own or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
     packing = _packing(spec, loaded, layers)
     record = {
         "tokenizer": loaded.tokenizer_record(),

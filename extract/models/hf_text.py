@@ -18,12 +18,19 @@ cast, so that one seed gives the same weights at every precision.
 ``TextModel.encode`` tokenizes one document exactly as ``tokenizer(text, truncation=True,
 max_length=T)`` does, special tokens included, and counts what truncation dropped.
 
+A sentence-transformers folder (``modules.json``, ``sentence_bert_config.json``, ``1_Pooling/``) says
+how its own ``encode`` embeds a text (``read_sentence_config``): it truncates at ``max_seq_length``
+(the job's default context length, ``TextModel.default_context_length``), pools by the Pooling
+module's mode and L2-normalizes where a ``Normalize`` module follows (``--pool model``,
+``TextModel.model_pooling``).
+
 transformers is imported only when a model is built (see ``ModelSource``)."""
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,13 +40,37 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ..capture.tokens import MODEL_POOL, TEXT_POOLS, ModelPooling
 from ..errors import ExtractError
 from .base import LoadedModel, ModelRequest
-from .hf import _load, hidden_state_aliases
+from .hf import _load, _model_file, hidden_state_aliases
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TEXT_PARTS = "model and tokenizer"  # what a save_pretrained directory of a text model holds, for messages
 SPECIAL_TOKENS = ("bos", "eos", "pad", "cls", "sep")
+SENTENCE_MODULES = "modules.json"  # a sentence-transformers folder's list of its pipeline's modules
+SENTENCE_CONFIG = "sentence_bert_config.json"  # its Transformer module's settings (max_seq_length)
+# sentence-transformers' pooling modes that extract's mask-aware pools reproduce (right padding: its
+# ``cls`` is the first real token, position 0; its ``lasttoken`` the last real one)
+SENTENCE_POOLS = {"mean": "mean", "max": "max", "cls": "first", "lasttoken": "last"}
+# the pooling config's keys before sentence-transformers 5 wrote one ``pooling_mode``
+LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SentenceConfig:
+    """What a sentence-transformers folder says of the embedding its ``encode`` makes: the length it
+    truncates at (None: none set) and its pooling, or why ``--pool model`` cannot follow it (a module
+    or mode extract does not apply); ``where`` names the folder's ``modules.json``."""
+
+    where: str
+    max_seq_length: int | None
+    pooling: ModelPooling | None
+    problem: str | None = None
 
 
 @dataclass
@@ -59,6 +90,8 @@ class TextModel(LoadedModel):
 
     tokenizer: Any = None  # the model's own AutoTokenizer
     max_positions: int | None = None  # the positions the model has (None: unbounded)
+    sentence: SentenceConfig | None = None  # a sentence-transformers folder's own pipeline, where it is one
+    sentence_missing: str = ""  # where modules.json was looked for, for --pool model's message
     kind: ClassVar[str] = "text"
     _backend: Any = field(default=None, init=False, repr=False, compare=False)
     _call_options: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -76,6 +109,27 @@ class TextModel(LoadedModel):
         # the cache of past keys and values is never read here, and costs memory
         parameters = inspect.signature(self.model.forward).parameters
         self._call_options = {"use_cache": False} if "use_cache" in parameters else {}
+
+    @property
+    def default_context_length(self) -> int | None:
+        """The context length the model's own files set (sentence-transformers' ``max_seq_length``,
+        at most the model's positions), or None where they set none."""
+        length = self.sentence.max_seq_length if self.sentence is not None else None
+        if length is None or self.max_positions is None:
+            return length
+        return min(length, self.max_positions)
+
+    def model_pooling(self) -> ModelPooling:
+        """``--pool model``: the pooling (and normalization) of the model's sentence-transformers
+        pipeline; a one-line ``ExtractError`` where it has none, or one extract does not apply."""
+        if self.sentence is None:
+            raise ExtractError(
+                f"--pool {MODEL_POOL} follows a sentence-transformers pipeline, but {self.sentence_missing} does not "
+                f"exist; use --pool {', '.join(TEXT_POOLS)}"
+            )
+        if self.sentence.pooling is None:
+            raise ExtractError(self.sentence.problem or f"--pool {MODEL_POOL}: {self.sentence.where} names no pooling")
+        return self.sentence.pooling
 
     @property
     def vocab_size(self) -> int:
@@ -299,6 +353,83 @@ def text_model_class(config: Any) -> Any:
     return AutoModel
 
 
+def _json_file(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExtractError(
+            f"cannot read {path}, the model's {what} ({e.__class__.__name__}: {e}); fix or remove it"
+        ) from None
+
+
+def _pooling_mode(config: Any) -> list[str]:
+    """The modes a sentence-transformers Pooling config names: ``pooling_mode`` (a name or a list), or
+    the older ``pooling_mode_*_tokens`` flags (mean where none is set, as sentence-transformers reads them)."""
+    if not isinstance(config, dict):
+        return []
+    mode = config.get("pooling_mode")
+    if mode is not None:
+        return [mode] if isinstance(mode, str) else [str(m) for m in mode]
+    return [name for key, name in LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"]
+
+
+def read_sentence_config(name: str, hub_offline: bool) -> tuple[SentenceConfig | None, str]:
+    """The sentence-transformers pipeline of ``hf:name`` (None where it has no ``modules.json``) and
+    where ``modules.json`` was looked for. A pipeline extract cannot reproduce is not refused here
+    (``--pool mean`` still works on it): ``problem`` says why, for ``--pool model``."""
+    modules_file = _model_file(name, SENTENCE_MODULES, hub_offline)
+    looked = str(Path(name, SENTENCE_MODULES)) if Path(name).is_dir() else f"{SENTENCE_MODULES} of hf:{name}"
+    if modules_file is None:
+        return None, looked
+    where = str(modules_file)
+    modules = _json_file(modules_file, "sentence-transformers modules")
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ExtractError(f"{where} is not a sentence-transformers module list (a JSON list of objects); fix it")
+    config_file = _model_file(name, SENTENCE_CONFIG, hub_offline)
+    settings = _json_file(config_file, "sentence-transformers settings") if config_file is not None else {}
+    length = settings.get("max_seq_length") if isinstance(settings, dict) else None
+    length = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+    fix = f"use --pool {', '.join(TEXT_POOLS)} and apply the rest yourself"
+    if isinstance(settings, dict) and settings.get("do_lower_case"):
+        problem = f"--pool {MODEL_POOL}: {config_file} sets do_lower_case, which extract does not do to the text; {fix}"
+        return SentenceConfig(where, length, None, problem), looked
+    pool, normalize, problem, pooled_by = None, False, None, ""
+    for module in sorted(modules, key=lambda m: m.get("idx", 0)):
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            continue
+        if kind == "Pooling" and pool is None:
+            path = str(Path(str(module.get("path", "")), "config.json"))
+            pooling_file = _model_file(name, path, hub_offline)
+            if pooling_file is None:
+                problem = f"--pool {MODEL_POOL}: {where} names a Pooling module whose {path} is missing; {fix}"
+                break
+            modes = _pooling_mode(_json_file(pooling_file, "sentence-transformers pooling"))
+            if len(modes) != 1 or modes[0] not in SENTENCE_POOLS:
+                problem = (
+                    f"--pool {MODEL_POOL}: {pooling_file} pools by {' + '.join(modes) or 'nothing'}, which extract "
+                    f"does not reproduce (it does {', '.join(SENTENCE_POOLS)}); {fix}"
+                )
+                break
+            pool, pooled_by = SENTENCE_POOLS[modes[0]], f"{path} ({modes[0]})"
+        elif kind == "Normalize" and pool is not None and not normalize:
+            normalize = True
+        else:  # Dense, LayerNorm, a second pooling...: a step extract does not apply
+            problem = (
+                f"--pool {MODEL_POOL}: {where} has a {kind or 'typeless'} module ({module.get('path') or module.get('name')}) "
+                f"that extract does not apply; {fix}"
+            )
+            break
+    if problem is None and pool is None:
+        problem = f"--pool {MODEL_POOL}: {where} has no Pooling module; {fix}"
+    if problem is not None:
+        return SentenceConfig(where, length, None, problem), looked
+    assert pool is not None
+    # the files by their names in the folder: the same model gives the same record wherever it is installed
+    source = f"sentence-transformers {SENTENCE_MODULES}, {pooled_by}" + (", Normalize" if normalize else "")
+    return SentenceConfig(where, length, ModelPooling(pool, normalize, source)), looked
+
+
 def max_positions(config: Any) -> int | None:
     """The longest sequence the model's position embeddings take (None: no such bound in the config)."""
     for name in ("max_position_embeddings", "n_positions"):
@@ -334,6 +465,7 @@ def build(name: str, request: ModelRequest) -> TextModel:
     offline = request.hub_offline
     tokenizer = _load("the tokenizer", name, AutoTokenizer.from_pretrained, offline, TEXT_PARTS)
     config = _load("the config", name, AutoConfig.from_pretrained, offline, TEXT_PARTS)
+    sentence, looked = read_sentence_config(name, offline)  # before the weights: a bad file is said at once
     auto = text_model_class(config)
     if request.load_weights and request.weights.lower() == "default":
 
@@ -351,7 +483,7 @@ def build(name: str, request: ModelRequest) -> TextModel:
     model.eval()
     loaded = TextModel(
         model, None, (1, 1), description, input_name="input_ids", tokenizer=tokenizer,  # type: ignore[arg-type]
-        max_positions=max_positions(config),
+        max_positions=max_positions(config), sentence=sentence, sentence_missing=looked,
     )  # fmt: skip
     loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call)
     return loaded

@@ -93,6 +93,7 @@ class JobParts:
     image_root: str | None = None  # where the data source's images live (the report's thumbnails)
     # text jobs: kind (tokens | documents), tokenization (tokenizer, context length, data), num_documents, num_tokens
     text: Mapping[str, Any] | None = None
+    model_pooling: Mapping[str, Any] | None = None  # --pool model: the pooling the model's files named, as applied
 
     def identity(self) -> dict[str, Any]:
         """Everything that decides the stored values and their layout: a store is resumed only by a job
@@ -123,6 +124,8 @@ class JobParts:
         if self.text is not None:  # image stores keep the identity they always had
             identity["kind"] = self.text["kind"]
             identity["tokenization"] = dict(self.text["tokenization"])
+        if self.model_pooling is not None:  # the files behind --pool model decide the values too
+            identity["model_pooling"] = dict(self.model_pooling)
         return identity
 
     def attributes(self) -> dict[str, Any]:
@@ -138,6 +141,7 @@ class JobParts:
             "source": self.source,
             "preprocessing": dict(self.preprocessing),
             "pools": dict(self.pools),
+            **({"model_pooling": dict(self.model_pooling)} if self.model_pooling is not None else {}),
             "layouts": dict(self.layouts),
             "dataset": self.options["data"],
             **({"image_root": self.image_root} if self.image_root is not None else {}),
