@@ -7,6 +7,8 @@ hangs on its first), so this process never makes a request through obstore: it l
 with boto3 and compares the stores after downloading them. That is why this is a script: the test
 process has used obstore long before.
 
+PREFIX may be empty: the stores are then at the top of the bucket (``s3://BUCKET/NAME.zarr``).
+
 ``storm``: ``POINTS`` kills spread over every object a whole run writes (creation, every chunk, the final
 marking), and the chosen ones of ``TARGETED``. After each kill: the kill landed at its point; the prefix
 is a store only if its root metadata were written, and then holds nothing marked done that was not
@@ -50,6 +52,11 @@ def _client():
 
 
 BUCKET = os.environ.get("S3_BUCKET", "extract-tests")
+
+
+def under(prefix: str, name: str) -> str:
+    """The key of ``name`` under ``prefix`` (at the bucket's top where ``prefix`` is empty)."""
+    return f"{prefix}/{name}" if prefix else name
 
 
 def keys(prefix: str) -> list[str]:
@@ -158,8 +165,8 @@ def storm(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-storm-"))
     reference = work / "ref.zarr"
     assert fork_run([*JOB, "--out", reference]) == 0
-    url = f"s3://{BUCKET}/{prefix}/storm.zarr"
-    store = f"{prefix}/storm.zarr"
+    store = under(prefix, "storm.zarr")
+    url = f"s3://{BUCKET}/{store}"
     whole = work / "whole.log"
     assert fork_run([*JOB, "--out", url], before=log_writes(whole)) == 0, "the uninterrupted run failed"
     assert_same_store(download(store, work / "whole.zarr"), reference)
@@ -194,7 +201,7 @@ def storm(prefix: str) -> None:
 
 def race(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-race-"))
-    url = f"s3://{BUCKET}/{prefix}/race.zarr"
+    url = f"s3://{BUCKET}/{under(prefix, 'race.zarr')}"
     longer = [*JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
     jobs = {name: [*longer, "--out", url] for name in ("first", "second")}
     creating = lambda store, key, record, mode: mode == "create"  # noqa: E731 - the lock's conditional create
@@ -204,7 +211,7 @@ def race(prefix: str) -> None:
     lines = [line for line in err.splitlines() if line.startswith("extract: error")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "being written by another job" in lines[0] and f"pid {results[winner][0]}" in lines[0], lines[0]
-    assert not lock_exists(f"{prefix}/race.zarr")
+    assert not lock_exists(under(prefix, "race.zarr"))
     print(f"s3 race: {winner} ran; {loser}: {lines[0]}")
 
 
