@@ -161,6 +161,13 @@ def test_two_jobs_started_together_on_one_s3_path_one_runs(where):
     assert "ran;" in _forked(where, "race")
 
 
+def test_a_holder_paused_past_the_stale_age_on_s3_says_it_lost_the_lock(s3):
+    """A job paused (SIGSTOP) with a request in flight past the lock's stale age and its write timeout,
+    while another job took the store over: continued, it says it lost the lock to that job (exit 1),
+    as on disk, not that its request timed out (``tests/s3_forked.py paused``)."""
+    assert "lost the lock" in _forked(s3, "paused")
+
+
 def test_a_job_retries_through_a_short_outage_and_stops_cleanly_after_a_long_one(
     s3, fault_proxy, on_disk, cli, monkeypatch
 ):
