@@ -37,6 +37,13 @@ class StoreBusyError(ExtractError):
     """Another job holds the store's lock: wait for it, or stop it."""
 
 
+class StoreBeingCreatedError(StoreNotFoundError, StoreBusyError):
+    """No store at the path yet, but a live job holds its lock and is creating it (on disk it is built
+    beside its target and renamed into place; on object storage its root metadata are written last):
+    wait for the job, and read the store when it is done. Both a ``StoreNotFoundError`` (there is no
+    store to read yet) and a ``StoreBusyError`` (a job holds it), so either ``except`` catches it."""
+
+
 class LockLostError(ExtractError):
     """This job lost the store's lock (it was paused or stalled past the stale age and another job took
     the store, or the lock was removed): it stops and writes nothing more. Exit status 1: not bad input."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from faultproxy import fault_proxy  # noqa: F401  (fixture: a fault-injecting proxy in front of the S3 server)
 from PIL import Image
-from s3 import s3, s3_server  # noqa: F401  (fixtures: moto's S3 server on loopback, a prefix per test)
+from s3 import s3, s3_server, s3_top  # noqa: F401  (fixtures: moto's S3 server on loopback, a prefix, a bucket's top)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = Path(__file__).resolve().parent / "tiny_models.py"

@@ -16,7 +16,9 @@ client sends anything.
 - ``"reset"``: the request is read, then the connection is closed with ``SO_LINGER`` 0 (a TCP RST),
   without an answer: the client sees "connection reset" after it sent the request;
 - ``"503"``: the request is read and answered ``503 Slow Down`` with S3's XML error body
-  (``<Error><Code>SlowDown</Code>...``) and ``Connection: close``, as S3 throttles.
+  (``<Error><Code>SlowDown</Code>...``) and ``Connection: close``, as S3 throttles;
+- ``"hold"`` (``hold()``): the request is read and held, unanswered, until ``release()``, then forwarded
+  (a request in flight while its client is paused, or a server that stalls); ``held`` is set once one is.
 
 Failed requests are counted as requests (the client sent them) and in ``faults``; they never reach
 the server. obstore speaks HTTP/1.1 to an ``http://`` endpoint with ``Content-Length`` bodies; chunked
@@ -39,7 +41,7 @@ import pytest
 from s3 import S3Server
 
 Match = Callable[[str, str], bool]  # (method, path) -> whether a fault applies to the request
-MODES = ("reset", "503")
+MODES = ("reset", "503", "hold")
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n'
     b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
@@ -152,6 +154,8 @@ class FaultProxy:
         self._per_key: int | None = None  # each key fails this many times, then passes
         self._hits: Counter = Counter()  # key -> requests failed so (with ``per_key``)
         self._stopped = threading.Event()
+        self.held = threading.Event()  # a request is being held (``hold``)
+        self._released = threading.Event()
         self._connections: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, name="faultproxy", daemon=True)
 
@@ -187,6 +191,15 @@ class FaultProxy:
             self._left = requests
             self._per_key, self._hits = per_key, Counter()
 
+    def hold(self, match: Match, requests: int = 1) -> None:
+        """Hold the next ``requests`` requests ``match`` picks until ``release()``."""
+        self.held.clear()
+        self._released.clear()
+        self.fail("hold", requests=requests, match=match)
+
+    def release(self) -> None:
+        self._released.set()
+
     def pass_through(self) -> None:
         with self._lock:
             self._mode = self._until = self._left = self._match = self._per_key = None
@@ -204,6 +217,7 @@ class FaultProxy:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._released.set()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
         except OSError:
@@ -297,6 +311,9 @@ class FaultProxy:
                 if fault == "503":
                     self._send(connection, self._slow_down())
                     return
+                if fault == "hold":
+                    self.held.set()
+                    self._released.wait(300)
                 forwarded = [(n, v) for n, v in headers if n.lower() not in _HOP and n.lower() != "content-length"]
                 if body or method in ("PUT", "POST"):
                     forwarded.append(("Content-Length", str(len(body))))

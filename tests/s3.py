@@ -46,20 +46,26 @@ class S3Server:
 
 @dataclass
 class S3Prefix:
-    """A fresh prefix of the session's bucket, for one test."""
+    """A fresh prefix of the session's bucket, for one test; or, with ``prefix`` empty, the top of a
+    fresh bucket of its own (``s3_top``)."""
 
     server: S3Server
-    prefix: str  # no leading or trailing slash
+    prefix: str  # no leading or trailing slash; empty: the bucket's top
 
     def url(self, name: str = "") -> str:
-        """``s3://BUCKET/PREFIX/name``."""
-        return f"s3://{self.server.bucket}/{self.prefix}" + (f"/{name}" if name else "")
+        """``s3://BUCKET/PREFIX/name`` (``s3://BUCKET/name`` at the bucket's top)."""
+        return f"s3://{self.server.bucket}" + "".join(f"/{part}" for part in (self.prefix, name) if part)
+
+    def key(self, name: str) -> str:
+        """The bucket's key of ``name`` under the prefix."""
+        return f"{self.prefix}/{name}" if self.prefix else name
 
     def keys(self) -> list[str]:
         """Every key under the prefix, relative to it."""
         client = self.server.client()
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.server.bucket, Prefix=self.prefix + "/")
-        return sorted(o["Key"][len(self.prefix) + 1 :] for page in pages for o in page.get("Contents", []))
+        start = self.prefix + "/" if self.prefix else ""
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.server.bucket, Prefix=start)
+        return sorted(o["Key"][len(start) :] for page in pages for o in page.get("Contents", []))
 
 
 def _atomic_conditional_writes() -> None:
@@ -112,6 +118,15 @@ def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Prefix:
     for variable, value in s3_server.env().items():
         monkeypatch.setenv(variable, value)
     return S3Prefix(server=s3_server, prefix=f"t-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def s3_top(s3: S3Prefix) -> S3Prefix:
+    """The top of a fresh bucket of its own (stores at ``s3://BUCKET/NAME.zarr``, their locks beside them
+    at the top), with the environment of ``s3``."""
+    bucket = f"top-{uuid.uuid4().hex[:12]}"
+    s3.server.client().create_bucket(Bucket=bucket)
+    return S3Prefix(server=S3Server(endpoint=s3.server.endpoint, bucket=bucket), prefix="")
 
 
 def s3_server_or_none(request: pytest.FixtureRequest) -> S3Server | None:

@@ -7,11 +7,18 @@ hangs on its first), so this process never makes a request through obstore: it l
 with boto3 and compares the stores after downloading them. That is why this is a script: the test
 process has used obstore long before.
 
+PREFIX may be empty: the stores are then at the top of the bucket (``s3://BUCKET/NAME.zarr``).
+
 ``storm``: ``POINTS`` kills spread over every object a whole run writes (creation, every chunk, the final
 marking), and the chosen ones of ``TARGETED``. After each kill: the kill landed at its point; the prefix
 is a store only if its root metadata were written, and then holds nothing marked done that was not
 written; one rerun of the same command gives the store the job gives on disk, and leaves no lock.
 ``S3_STORM_POINTS`` sets a larger storm.
+
+``paused``: job A is paused (SIGSTOP) with a request in flight (the fence's read of the root metadata,
+held by a fault proxy between A and the server, so that it is in flight for sure) past the lock's stale
+age and its write timeout; job B takes the store over with ``--overwrite``; A, continued, must say it
+lost the lock to B (exit 1), not that a request timed out, and B's store must be whole.
 
 ``race``: two jobs started together on one ``s3://`` path, meeting at the lock's conditional create:
 exactly one runs, the other stops with one line naming the holder.
@@ -19,10 +26,14 @@ exactly one runs, the other stops with one line naming the holder.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +42,8 @@ import zarr
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from forked import die_after, die_on, fork_run, started_together, the_one_that_ran  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+from forked import die_after, die_on, fork_run, fork_start, fork_wait, started_together, the_one_that_ran  # noqa: E402
 
 from extract.store import object_lock, remote  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
@@ -50,6 +62,11 @@ def _client():
 
 
 BUCKET = os.environ.get("S3_BUCKET", "extract-tests")
+
+
+def under(prefix: str, name: str) -> str:
+    """The key of ``name`` under ``prefix`` (at the bucket's top where ``prefix`` is empty)."""
+    return f"{prefix}/{name}" if prefix else name
 
 
 def keys(prefix: str) -> list[str]:
@@ -158,8 +175,8 @@ def storm(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-storm-"))
     reference = work / "ref.zarr"
     assert fork_run([*JOB, "--out", reference]) == 0
-    url = f"s3://{BUCKET}/{prefix}/storm.zarr"
-    store = f"{prefix}/storm.zarr"
+    store = under(prefix, "storm.zarr")
+    url = f"s3://{BUCKET}/{store}"
     whole = work / "whole.log"
     assert fork_run([*JOB, "--out", url], before=log_writes(whole)) == 0, "the uninterrupted run failed"
     assert_same_store(download(store, work / "whole.zarr"), reference)
@@ -194,7 +211,7 @@ def storm(prefix: str) -> None:
 
 def race(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-race-"))
-    url = f"s3://{BUCKET}/{prefix}/race.zarr"
+    url = f"s3://{BUCKET}/{under(prefix, 'race.zarr')}"
     longer = [*JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
     jobs = {name: [*longer, "--out", url] for name in ("first", "second")}
     creating = lambda store, key, record, mode: mode == "create"  # noqa: E731 - the lock's conditional create
@@ -204,9 +221,83 @@ def race(prefix: str) -> None:
     lines = [line for line in err.splitlines() if line.startswith("extract: error")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "being written by another job" in lines[0] and f"pid {results[winner][0]}" in lines[0], lines[0]
-    assert not lock_exists(f"{prefix}/race.zarr")
+    assert not lock_exists(under(prefix, "race.zarr"))
     print(f"s3 race: {winner} ran; {loser}: {lines[0]}")
 
 
+# A runs on while B runs (longer); they differ in their seed, so B's store is not A's. The lock goes
+# stale after 1 s, and each of a job's requests gives up after max(5 s, a third of that): 5 s.
+SEEDED = ["--model", f"{TINY}:paced_by_seed", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
+          "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+FAST_LOCK = {"EXTRACT_LOCK_HEARTBEAT": "0.2", "EXTRACT_LOCK_STALE_AFTER": "1"}
+WRITE_TIMEOUT = 5.0
+
+
+def _until(reached, what: str, within: float = 120) -> None:
+    deadline = time.time() + within
+    while not reached():
+        assert time.time() < deadline, f"{what}: not within {within} s"
+        time.sleep(0.02)
+
+
+def _lock(store: str) -> dict:
+    try:
+        return json.loads(_client().get_object(Bucket=BUCKET, Key=f"{store}.lock")["Body"].read())
+    except Exception:  # noqa: BLE001 - no lock (yet, or any more)
+        return {}
+
+
+def _done(store: str) -> int:
+    return sum(key.startswith("done/c/") for key in keys(store))
+
+
+def _environment(**variables: str):
+    return lambda: os.environ.update(variables)
+
+
+def paused(prefix: str) -> None:
+    work = Path(tempfile.mkdtemp(prefix="s3-paused-"))
+    store = under(prefix, "paused.zarr")
+    url = f"s3://{BUCKET}/{store}"
+    a_err, b_err = work / "a.err", work / "b.err"
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"]) as proxy:
+        a = fork_start([*SEEDED, "--data", "synthetic:160", "--seed", "0", "--out", url],
+                       _environment(TINY_PACE="0.1", AWS_ENDPOINT_URL=proxy.endpoint, **FAST_LOCK), a_err)  # fmt: skip
+        try:
+            _until(lambda: _done(store) >= 3, "A's first chunks")
+            proxy.hold(lambda method, path: method == "GET" and path.split("?")[0].endswith(f"/{store}/zarr.json"))
+            assert proxy.held.wait(60), "A read no root metadata"
+            os.kill(a, signal.SIGSTOP)  # with the fence's read in flight
+            paused_at = time.time()
+            _until(lambda: time.time() - _lock(store).get("time", time.time()) > 1.1, "A's lock going stale")
+            b = fork_start([*SEEDED, "--data", "synthetic:64", "--seed", "1", "--out", url, "--overwrite"],
+                           _environment(TINY_PACE="0.5", **FAST_LOCK), b_err)  # fmt: skip
+            _until(lambda: _lock(store).get("pid") == b and _done(store) >= 2, "B's first chunks")
+            time.sleep(max(0.0, paused_at + WRITE_TIMEOUT + 0.5 - time.time()))  # A's request has timed out
+            os.kill(a, signal.SIGCONT)
+            code = fork_wait(a, timeout=60)
+            # B is slow (0.5 s a batch) to outlast A's report, but a loaded machine may delay A past its end
+            reaped = os.waitpid(b, os.WNOHANG)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(a, signal.SIGCONT)
+            proxy.release()
+    err = a_err.read_text()
+    lines = [line for line in err.splitlines() if line.startswith("extract: error")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert f"lost the lock on --out {url}" in lines[0] and "marked nothing more" in lines[0], lines[0]
+    b_running = reaped == (0, 0)
+    if b_running:  # A read B's lock to say whose the store is (once B is done, its lock is gone)
+        assert f"to another job (host {socket.gethostname()}, pid {b})" in lines[0], lines[0]
+        assert _lock(store).get("pid") == b, "A must leave B's lock alone"
+    b_code = fork_wait(b) if b_running else os.waitstatus_to_exitcode(reaped[1])
+    assert b_code == 0, b_err.read_text()[-3000:]
+    group = zarr.open_group(download(store, work / "b.zarr"), mode="r")
+    assert group.attrs["status"] == "complete" and group["done"][:].all() and group["done"].shape == (16,)
+    assert [run["status"] for run in group.attrs["runs"]] == ["complete"]
+    assert not lock_exists(store)
+    print(f"s3 paused holder: {lines[0]}")
+
+
 if __name__ == "__main__":
-    {"storm": storm, "race": race}[sys.argv[1]](sys.argv[2])
+    {"storm": storm, "race": race, "paused": paused}[sys.argv[1]](sys.argv[2])

@@ -1,6 +1,7 @@
 """Errors have types a Python user can catch: each also derives from the builtin one expects, and the
 command line still prints its message on one line."""
 
+import json
 import os
 import socket
 
@@ -11,6 +12,7 @@ from extract import ExtractError, resolve_layers
 from extract.errors import (
     LayerNotFoundError,
     SampleIndexError,
+    StoreBeingCreatedError,
     StoreBusyError,
     StoreDamagedError,
     StoreNotFoundError,
@@ -49,6 +51,35 @@ def test_a_busy_store_and_a_damaged_one_have_their_own_types(tmp_path):
 
     with pytest.raises(StoreDamagedError, match="format_version 7"):
         open_features(out)
+
+
+def test_a_reader_of_a_store_being_created_is_told_so_naming_the_job(tmp_path):
+    """A store is built beside its path and renamed into place: while its job holds the lock, a reader
+    finds no store (or only the ``.creating-`` scratch), and is told that a job is creating it, not that
+    the path is no store. With no live holder it is what it was: no store."""
+    from extract import FeatureDataset, open_features
+    from extract.store.lock import lock_path
+
+    out = tmp_path / "new.zarr"
+    with StoreLock(out):
+        for scratch in (False, True):
+            if scratch:  # the skeleton being built beside the path
+                (tmp_path / f".{out.name}.creating-{os.getpid()}" / "features").mkdir(parents=True)
+            with pytest.raises(StoreBeingCreatedError) as error:
+                open_features(out)
+            message = str(error.value)
+            assert f"is being created by a job (host {socket.gethostname()}, pid {os.getpid()}" in message
+            assert str(lock_path(out)) in message and "wait for the job" in message and "\n" not in message
+            assert isinstance(error.value, StoreNotFoundError) and isinstance(error.value, StoreBusyError)
+        with pytest.raises(StoreBeingCreatedError):
+            FeatureDataset(out, "layer")
+    with pytest.raises(StoreNotFoundError, match="is not an extract store") as error:  # released: no job
+        open_features(out)
+    assert not isinstance(error.value, StoreBeingCreatedError)
+    lock_path(out).write_text(json.dumps({"host": socket.gethostname(), "pid": 999999999, "started": "then"}))
+    with pytest.raises(StoreNotFoundError, match="is not an extract store") as error:  # its holder is gone
+        open_features(out)
+    assert not isinstance(error.value, StoreBeingCreatedError)
 
 
 def test_the_type_survives_being_told_to_other_ranks():

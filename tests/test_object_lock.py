@@ -375,6 +375,36 @@ def test_a_url_with_no_store_is_not_found(s3):
     assert not isinstance(error.value, StoreNotFoundError)
 
 
+def test_a_reader_of_a_store_being_created_on_s3_is_told_so_naming_the_job(s3, monkeypatch):
+    """On object storage a store is valid once its root metadata are written, last: while its job holds
+    the lock, a prefix without them (empty, or the skeleton so far) is a creation, and a reader is told
+    so, naming the job; once the lock is released (or stale) it is no store, as before."""
+    from extract.errors import StoreBeingCreatedError, StoreNotFoundError
+    from extract.read.dataset import FeatureDataset
+    from extract.read.features import open_features
+
+    url = s3.url("new.zarr")
+    with ObjectStoreLock(url):
+        for skeleton in (False, True):
+            if skeleton:  # the first object a creation writes; the root metadata come last
+                obstore.put(open_store(url).store, "features/zarr.json", b'{"zarr_format": 3, "node_type": "group"}')
+            with pytest.raises(StoreBeingCreatedError) as error:
+                open_features(url)
+            message = str(error.value)
+            assert f"{url} is being created by a job (host {socket.gethostname()}, pid {os.getpid()}" in message
+            assert f"{url}.lock" in message and "wait for the job" in message and "\n" not in message
+            assert isinstance(error.value, StoreNotFoundError) and isinstance(error.value, StoreBusyError)
+        with pytest.raises(StoreBeingCreatedError):
+            FeatureDataset(url, "layer")
+    with pytest.raises(ExtractError, match="is not an extract store") as error:  # released: debris, no job
+        open_features(url)
+    assert not isinstance(error.value, StoreBeingCreatedError)
+    plant(s3, "new.zarr", time=time.time() - 3600)  # a holder whose heartbeat stopped long ago
+    with pytest.raises(ExtractError, match="is not an extract store") as error:
+        open_features(url)
+    assert not isinstance(error.value, StoreBeingCreatedError)
+
+
 def test_retry_settings(monkeypatch):
     from extract.store.location import RETRY_TIMEOUT_VARIABLE, retry_config
 

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from extract import ChunkShuffleSampler, ExtractError, FeatureDataset, open_features
 from extract.cli.extract import main
 from extract.errors import LayerNotFoundError, SampleIndexError, StoreNotFoundError
+from extract.read.features import PoolMismatchError
 
 N, CHUNK = 40, 8  # K = 5 chunks
 
@@ -264,6 +265,12 @@ def test_a_layer_pooled_at_extraction_says_so_in_the_apis_terms(tmp_path):
     ) as error:
         features.load("layer4", pool="avg")
     assert "--pool" not in str(error.value)
+    # a dataset is refused when it is made, in the main process, not at its first item in a worker
+    with pytest.raises(
+        PoolMismatchError, match=r"FeatureDataset\(\.\.\., 'layer4', pool='avg'\) needs .* use pool=None"
+    ):
+        FeatureDataset(path, ["layer3", "layer4"], pool="avg")
+    assert FeatureDataset(path, "layer4")[0][0].shape == (512,)  # read as stored: pooled already
 
 
 def test_dataset_pools_per_layer(store, raw):

@@ -272,10 +272,34 @@ class StoreLife:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: object) -> None:
         try:
+            if self._failed_for_a_lost_lock(error):  # said as the disk case says it; the store is not ours
+                raise lost_lock(self.out) from None
             if error is not None and self._run_started is not None:
                 self._record_failure(error)
         finally:
             self._release()
+
+    def _failed_for_a_lost_lock(self, error: BaseException | None) -> bool:
+        """Whether ``error``, a failure other than the lost lock itself, came while the job had lost the
+        store: read afresh, the lock (rank 0) or the store's ``writer`` (every rank) is another job's.
+
+        A job paused past the stale age with a request in flight (on object storage, the fence's read of
+        the root metadata, a chunk's PUT) comes back to find that request past its timeout: its error
+        reaches the writer before the heartbeat or the fence can see the new holder (a beat and a read
+        later). On disk no request times out, and the fence says it. A check that fails itself (still
+        an outage) leaves the error as it was."""
+        if not isinstance(error, Exception) or isinstance(error, LockLostError | Interrupted):
+            return False
+        try:
+            if self.lock is not None and (self.lock.lost.is_set() or not self.lock.held()):
+                return True
+            if self.store is not None and self.store.writer is not None:
+                self.store.check_writer()
+        except LockLostError:
+            return True
+        except Exception:  # noqa: BLE001 - cannot tell: the run's own error is the one to report
+            return False
+        return False
 
     def _record_failure(self, error: BaseException) -> None:
         """Close the run's record, and give an interrupt one message with the whole job's count."""

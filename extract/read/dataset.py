@@ -54,8 +54,10 @@ class FeatureDataset(Dataset):
         else:
             self.pools = dict.fromkeys(self.layers, pool)
         features = open_features(self.path, allow_partial=allow_partial)
-        for layer in self.layers:
-            features.array(layer)  # an unknown layer fails here, in the main process, with the valid names
+        for layer in self.layers:  # an unknown layer, or a pool that does not fit one (a layer pooled at
+            # extraction), fails here, in the main process, not at the first item in a DataLoader worker
+            pool = self.pools[layer]
+            features.pooled_shape(layer, pool, call=f"FeatureDataset(..., {layer!r}, pool={pool!r})")
         self.num_samples, self.chunk_size = features.num_samples, features.chunk_size
         self.chunk_reads = 0  # in this process; lets tests and benchmarks check the sampler's locality
         self._reset()

@@ -150,23 +150,23 @@ class PoolMismatchError(ExtractError, ValueError):
 
 
 def _pool_mismatch(
-    layer: str, pool: str | None, shape: tuple[int, ...], error: PoolShapeError, pooled: str | None
+    layer: str, pool: str | None, shape: tuple[int, ...], error: PoolShapeError, pooled: str | None, call: str | None
 ) -> PoolMismatchError:
-    """The reader's error in the reader's terms (``pool=``), not the command line's (``--pool``)."""
+    """The reader's error in the reader's terms (``pool=``, in the ``call`` that passed it), not the
+    command line's (``--pool``)."""
+    call = call or f"load({layer!r}, pool={pool!r})"
     stored = f"({', '.join(map(str, shape))}) per sample"
     if pooled not in (None, "none"):
         stored += f" (pooled with {pooled} at extraction)"
     if error.wanted == "known layout":
         return PoolMismatchError(
-            f"load({layer!r}, pool={pool!r}): the store does not say which axes of {layer}, {stored}, are "
+            f"{call}: the store does not say which axes of {layer}, {stored}, are "
             "spatial; read it with pool=None and reduce the axes you mean"
         )
     instead = " or ".join(f"pool={choice!r}" for choice in error.instead.split(" or ")).replace(
         "pool='none'", "pool=None"
     )
-    return PoolMismatchError(
-        f"load({layer!r}, pool={pool!r}) needs {error.wanted} outputs, but {layer} is stored as {stored}; use {instead}"
-    )
+    return PoolMismatchError(f"{call} needs {error.wanted} outputs, but {layer} is stored as {stored}; use {instead}")
 
 
 @dataclass
@@ -520,14 +520,23 @@ class Features:
         names = tuple(name.rpartition(".")[2] for name in (self.array(layer).metadata.dimension_names or ())[1:])
         return DIMENSION_LAYOUTS.get(names)
 
-    def _pooled_shape(self, layer: str, reduce: Any, pool: str | None) -> tuple[int, ...]:
+    def pooled_shape(self, layer: str, pool: str | None = None, *, call: str | None = None) -> tuple[int, ...]:
+        """The shape of one sample of ``layer`` as ``load(layer, pool=pool)`` returns it, found without
+        reading any data; a ``pool`` that does not fit the stored layer (one pooled at extraction, say)
+        is a ``PoolMismatchError`` now, naming ``call`` (default: that ``load``)."""
+        self.array(layer)  # an unknown layer: LayerNotFoundError with the valid names
+        reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
+        return self._pooled_shape(layer, reduce, pool, call)
+
+    def _pooled_shape(self, layer: str, reduce: Any, pool: str | None, call: str | None = None) -> tuple[int, ...]:
         shape = self.shapes[layer]
         if reduce is None:
             return shape
         try:
             return tuple(reduce(torch.zeros((1, *shape)))[0].shape)
         except PoolShapeError as e:
-            raise _pool_mismatch(layer, pool, shape, e, (self.attrs.get("pools") or {}).get(layer)) from None
+            pooled = (self.attrs.get("pools") or {}).get(layer)
+            raise _pool_mismatch(layer, pool, shape, e, pooled, call) from None
 
     def load_labels(self, index: Index = None) -> np.ndarray:
         """(n,) int64 labels of the samples ``index`` picks, read now (``labels`` is read once and kept:

@@ -1,9 +1,10 @@
 """Where a store lives: a local path, or a URL on object storage (``s3://``, ``gs://``, ``az://``).
 
 ``--out`` and every command that takes a store take either. A URL names a bucket (a container on
-Azure) and a key prefix ending in the store's name, ``s3://bucket/some/prefix/name.zarr``; the store's
-lock is the object ``name.zarr.lock`` beside it (same bucket, the store's key plus ``.lock``), as on
-disk, so that it exists before the store does.
+Azure) and a key prefix ending in the store's name, ``s3://bucket/some/prefix/name.zarr``, or a store
+at the bucket's top, ``s3://bucket/name.zarr``; the store's lock is the object ``name.zarr.lock``
+beside it (same bucket, the store's key plus ``.lock``; at the top of the bucket for a store there),
+as on disk, so that it exists before the store does. A bare bucket is not a store.
 
 Object storage goes through zarr's own ``zarr.storage.ObjectStore`` over ``obstore`` (the ``s3``
 extra), not ``FsspecStore`` over ``s3fs``:
@@ -102,9 +103,11 @@ class Location:
 
     @property
     def parent_url(self) -> str:
-        """The URL of the prefix the store lives in (where its lock lives too)."""
-        assert self.url is not None
-        return self.url.rpartition("/")[0]
+        """The URL of the prefix the store lives in (where its lock lives too): the bucket itself,
+        ``s3://bucket``, for a store at the bucket's top (``s3://bucket/name.zarr``)."""
+        assert self.url is not None and self.key is not None
+        parent = self.key.rpartition("/")[0]
+        return f"{self.scheme}://{self.bucket}" + (f"/{parent}" if parent else "")
 
     @property
     def lock(self) -> str:
@@ -118,6 +121,12 @@ class Location:
 def parse(text: str | os.PathLike[str]) -> Location:
     """The location ``text`` names: a local path, or a store URL checked here so that a typo is one
     line now rather than a request error later."""
+    return _parse(text, store=True)
+
+
+def _parse(text: str | os.PathLike[str], *, store: bool) -> Location:
+    """``parse``; ``store=False`` for a prefix that holds stores, not a store (where their locks are):
+    that may be a whole bucket, whose key is then empty."""
     if not is_url(text):
         return Location(path=Path(text))
     assert isinstance(text, str)
@@ -131,6 +140,8 @@ def parse(text: str | os.PathLike[str]) -> Location:
     if not parts.netloc:
         raise LocationError(f"store {text!r} names no bucket; write {scheme}://BUCKET/PREFIX/NAME.zarr")
     key = parts.path.strip("/")
+    if not key and not store:
+        return Location(url=f"{scheme}://{parts.netloc}", scheme=scheme, bucket=parts.netloc, key="")
     if not key:
         raise LocationError(
             f"store {text!r} is a whole bucket; name the store inside it: {scheme}://{parts.netloc}/NAME.zarr"
@@ -215,7 +226,7 @@ def object_store(url: str, *, retry_timeout: float | None = None, request_timeou
         from obstore.store import from_url
     except ImportError:
         raise ObjectStorageMissing(f"{url} is on object storage, which needs obstore: {INSTALL}") from None
-    location = parse(url)
+    location = _parse(url, store=False)  # the prefix of a lock may be a whole bucket
     assert location.scheme is not None
     cloud = SCHEMES[location.scheme]
     config, client = _s3_options() if cloud == "s3" else ({}, {})
@@ -263,8 +274,9 @@ def write_timeout() -> float:
 
 
 def lock_object(location: Location, *, timeout: float | None = None) -> tuple[Any, str]:
-    """The obstore store of the prefix a remote store lives in, and the key of its lock there
-    (``name.zarr.lock``); ``timeout`` caps each request's tries and its retries, each."""
+    """The obstore store of the prefix a remote store lives in (the bucket itself for a store at its
+    top), and the key of its lock there (``name.zarr.lock``); ``timeout`` caps each request's tries and
+    its retries, each."""
     assert location.url is not None, "a local store's lock is a file (lock.py)"
     store = object_store(location.parent_url, retry_timeout=timeout, request_timeout=timeout)
     return store, location.name + ".lock"

@@ -217,6 +217,13 @@ def _create(path: Path, record: dict[str, Any]) -> bool:
     return True
 
 
+def live_holder(store: Path) -> dict[str, Any] | None:
+    """The record of the job holding the lock of ``store`` (host, pid, started), None when there is no
+    lock or it is stale; for readers, which never take a lock."""
+    holder = _holder(lock_path(store))
+    return holder if holder is not None and not _stale(holder, timings()[1]) else None
+
+
 def check_unlocked(store: Path, stale_after: float | None = None) -> None:
     """Refuse a store that a live job holds (for callers that only look, such as ``verify --repair``)."""
     holder = _holder(lock_path(store))

@@ -158,6 +158,13 @@ def lost_lock(store: str | Location) -> LockLostError:
     )
 
 
+def live_holder(store: str | Location) -> dict[str, Any] | None:
+    """The record of the job holding the lock of ``store`` (host, pid, started), None when there is no
+    lock or it is stale; for readers, which never take a lock. A failed read is raised (obstore's)."""
+    found = _read(*lock_object(_location(store)))
+    return found[0] if found is not None and not _stale(found[0], timings()[1]) else None
+
+
 def check_unlocked(store: str | Location, stale_after: float | None = None) -> None:
     """Refuse a store that a live job holds (for callers that only look, such as ``verify --repair``)."""
     location = _location(store)

@@ -25,7 +25,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.codecs import Crc32cCodec
 
 from ..capture.layout import Layout
-from ..errors import ExtractError, StoreDamagedError, StoreNotFoundError
+from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreNotFoundError
 from ..names import Kind
 from . import objects, remote, stats
 from .chunks import Plan
@@ -270,6 +270,30 @@ def sweep_scratch(path: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def _check_not_being_created(path: Path | str) -> None:
+    """Raise ``StoreBeingCreatedError`` when a live job holds the lock of ``path``, where there is no
+    store yet: the reader came while the job is creating it (or preparing to), not to a wrong path. The
+    lock modules are loaded here only, for a path without a store."""
+    if is_url(path):
+        from .object_lock import live_holder, lock_url
+
+        holder, lock = live_holder(str(path)), lock_url(str(path))
+    else:
+        from .lock import live_holder as live_file_holder
+        from .lock import lock_path
+
+        holder, lock = live_file_holder(Path(path)), str(lock_path(Path(path)))
+    if holder is None:
+        return
+    job = "one that is starting"  # its claimer has not written its record yet
+    if "pid" in holder:
+        job = f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('started')}"
+    raise StoreBeingCreatedError(
+        f"{path} is being created by a job ({job}; its lock is {lock}); wait for the job, and read the store "
+        "when it is done"
+    )
+
+
 def check_writable(directory: Path, problem: str) -> None:
     # os.access says yes to root even on a read-only filesystem; creating a file tells the truth.
     try:
@@ -509,6 +533,8 @@ class FeatureStore:
         path = Path(path)
         attrs = _store_attrs(path, damaged=True)
         if attrs is None:
+            if not (path / ROOT_METADATA).exists():  # built beside the path, renamed into place when whole
+                _check_not_being_created(path)
             raise (ExtractError if path.exists() else StoreNotFoundError)(f"{path} is not an extract store")
         _check_version(path, attrs)
         location: Any = path
@@ -533,6 +559,8 @@ class FeatureStore:
         data = objects.read(location, METADATA)
         attrs = None if data is None else _decoded_attrs(data, f"{url}/{METADATA}", damaged=True)
         if attrs is None:
+            if data is None:  # the root metadata are written last: a prefix without them may be a creation
+                _check_not_being_created(url)
             there = data is not None or bool(objects.children(location, ""))
             raise (ExtractError if there else StoreNotFoundError)(f"{url} is not an extract store")
         _check_version(url, attrs)

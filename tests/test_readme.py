@@ -1,0 +1,144 @@
+"""The README's Python examples run as written (issue 29: its S3 read-back failed on its own demo store).
+
+Every ```python block of README.md runs here, each in a fresh namespace, in a directory holding the
+stores it reads. Those stores are made first by the README's own commands (the first indented command
+that writes each ``--out``), made small: ``--data synthetic:64 --image-size 32 --num-workers 0``, and
+tiny local text models standing in for ``hf:/models/gpt2`` and ``hf:/models/minilm`` (as many layers as
+the commands name, so their layer names stay the README's). The store on S3 goes to moto's server
+(``tests/s3.py``) in the README's bucket. A block whose first line is ``# not run by tests/test_readme.py:
+REASON`` is skipped, saying REASON; any other block that raises fails its test, naming its line.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from text_models import bert_tokenizer, gpt2_tokenizer, real_documents, write_jsonl
+
+README = ROOT / "README.md"
+NOT_RUN = "# not run by tests/test_readme.py:"
+S3_STORE = "s3://features/demo.zarr"
+LOCAL_STORES = ("demo.zarr", "tokens.zarr", "docs.zarr", "packed.zarr")
+
+
+def python_blocks() -> list[tuple[int, str]]:
+    """(line of the opening fence, code) of every ```python block."""
+    blocks, lines = [], README.read_text(encoding="utf-8").splitlines()
+    start = None
+    for number, line in enumerate(lines, 1):
+        if start is None and line.strip() == "```python":
+            start = number
+        elif start is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(lines[start : number - 1]) + "\n"))
+            start = None
+    return blocks
+
+
+def readme_command(out: str) -> list[str]:
+    """The arguments after ``-m extract`` of the README's first command that writes ``--out out``."""
+    text = re.sub(r"\\\n\s*", " ", README.read_text(encoding="utf-8"))  # join continued lines
+    for line in text.splitlines():
+        if not line.startswith("    ") or "-m extract " not in line:
+            continue
+        words = shlex.split(line, comments=True)
+        args = words[words.index("extract") + 1 :]
+        if "--out" in args and args[args.index("--out") + 1] == out:
+            return args
+    raise AssertionError(f"README.md has no command writing --out {out}")
+
+
+def small(args: list[str], models: dict[str, Path]) -> list[str]:
+    """``args`` made small and offline: few images at 32 px, no DataLoader workers, tiny text models."""
+    args = list(args)
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--data" and args[i + 1].startswith("synthetic:"):
+            args[i + 1] = "synthetic:64"
+        if arg == "--model" and args[i + 1] in models:
+            args[i + 1] = f"hf:{models[args[i + 1]]}"
+    if "--image-size" in args:
+        args[args.index("--image-size") + 1] = "32"
+    elif not any(a.startswith("hf:") for a in args):
+        args += ["--image-size", "32"]
+    return [*args, "--num-workers", "0"]
+
+
+def tiny_text_models(root: Path) -> dict[str, Path]:
+    """Stand-ins for the README's ``hf:/models/gpt2`` (12 blocks: ``hidden_states.12`` exists) and
+    ``hf:/models/minilm`` (6 layers, as all-MiniLM-L6), with 16-wide layers and random weights."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    gpt2, minilm = root / "gpt2", root / "minilm"
+    tokenizer = gpt2_tokenizer()
+    config = tf.GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=16, n_layer=12, n_head=2,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    tf.GPT2LMHeadModel(config).eval().save_pretrained(gpt2)
+    tokenizer.save_pretrained(gpt2)
+    tokenizer = bert_tokenizer()
+    config = tf.BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=6, num_attention_heads=2,
+                           intermediate_size=32, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    tf.BertModel(config).eval().save_pretrained(minilm)
+    tokenizer.save_pretrained(minilm)
+    return {"hf:/models/gpt2": gpt2, "hf:/models/minilm": minilm}
+
+
+def run_command(args: list[str]) -> None:
+    from extract.cli.extract import main
+
+    assert main(args) == 0, f"README command failed: python -m extract {shlex.join(args)}"
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """A directory holding the README's local stores (and the data its text commands read), made by
+    its commands; and the tiny text models."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("readme")
+    models = tiny_text_models(tmp_path_factory.mktemp("models"))
+    documents = real_documents(40)
+    (root / "corpus").mkdir()
+    write_jsonl(root / "corpus" / "a.jsonl", documents[:20])
+    write_jsonl(root / "corpus" / "b.jsonl", documents[20:])
+    stars = [i % 5 + 1 for i in range(len(documents))]
+    pq.write_table(pa.table({"text": list(documents), "stars": stars}), root / "reviews.parquet")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)  # the commands' relative paths (corpus/*.jsonl, demo.zarr) are the README's
+        for out in LOCAL_STORES:
+            run_command(small(readme_command(out), models))
+    return root, models
+
+
+def _id(block: tuple[int, str]) -> str:
+    return f"README.md:{block[0]}"
+
+
+@pytest.mark.parametrize("block", python_blocks(), ids=_id)
+def test_a_readme_python_block_runs(block, stores, request, monkeypatch):
+    line, code = block
+    first = code.lstrip().splitlines()[0]
+    if first.startswith(NOT_RUN):
+        pytest.skip(first.removeprefix(NOT_RUN).strip())
+    root, models = stores
+    if "s3://" in code:
+        assert S3_STORE in code, f"README.md:{line} reads a store on S3 that no README command makes"
+        s3 = request.getfixturevalue("s3")  # moto's server, and this process's environment pointing at it
+        client = s3.server.client()
+        if "features" not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+            client.create_bucket(Bucket="features")
+            run_command(small(readme_command(S3_STORE), models))
+    monkeypatch.chdir(root)
+    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "readme"})
+
+
+def test_every_block_is_found_and_few_are_not_run():
+    """The parsing above sees the README's blocks, and the list of blocks not run stays short."""
+    blocks = python_blocks()
+    not_run = [line for line, code in blocks if code.lstrip().startswith(NOT_RUN)]
+    assert len(blocks) >= 10 and len(not_run) <= 2, (len(blocks), not_run)
