@@ -86,3 +86,32 @@ def test_analysis_commands_do_not_load_the_extraction_pipeline(tmp_path):
     assert "usage: python -m extract.report" in result.stdout  # the root entry points ran the commands
     assert (tmp_path / "r.html").is_file() and (tmp_path / "r.html.png").is_file()
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_one_extract_command_with_subcommands(tmp_path):
+    """``extract <command>``: each command behind one entry, with its own --help; flags alone still run a job
+    (``accelerate launch -m extract --model ...``, as before), and ``extract.X`` modules still work."""
+    from conftest import run_cli
+
+    listed = run_cli("--help")
+    assert listed.returncode == 0
+    for name in ("run", "list-layers", "verify", "probe", "compare", "report", "export"):
+        assert f"\n  {name} " in listed.stdout, listed.stdout
+    assert "--repair" in run_cli("verify", "--help").stdout
+    out = tmp_path / "s.zarr"
+    job = ["--model", "resnet18", "--weights", "none", "--layers", "layer4", "--pool", "avg", "--image-size", "32",
+           "--data", "synthetic:8", "--num-workers", "0", "--out", str(out)]  # fmt: skip
+    ran = run_cli("run", *job)
+    assert ran.returncode == 0, ran.stderr
+    again = run_cli(*job)  # flags alone: the same job, already complete
+    assert again.returncode == 0 and "already complete" in again.stderr, again.stderr
+    verified = run_cli("verify", str(out))
+    assert verified.returncode == 0 and "done chunks are present" in verified.stdout, verified.stdout + verified.stderr
+    modules = subprocess.run(
+        [sys.executable, "-m", "extract.verify", str(out)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert modules.stdout == verified.stdout
+    layers = run_cli("list-layers", "--model", "resnet18")
+    assert layers.returncode == 0 and "layer4" in layers.stdout, layers.stderr
+    unknown = run_cli("verfy", str(out))  # not a command: read as run's arguments, refused in one line
+    assert unknown.returncode == 2 and "extract: error:" in unknown.stderr, unknown.stderr

@@ -76,7 +76,10 @@ def test_a_reader_of_a_store_being_created_is_told_so_naming_the_job(tmp_path):
     with pytest.raises(StoreNotFoundError, match="is not an extract store") as error:  # released: no job
         open_features(out)
     assert not isinstance(error.value, StoreBeingCreatedError)
-    lock_path(out).write_text(json.dumps({"host": socket.gethostname(), "pid": 999999999, "started": "then"}))
+    from extract.store.lock import process_namespace
+
+    dead = {"host": socket.gethostname(), "pid": 999999999, "started": "then", **process_namespace()}
+    lock_path(out).write_text(json.dumps(dead))  # provably of this namespace and boot, and its pid is gone
     with pytest.raises(StoreNotFoundError, match="is not an extract store") as error:  # its holder is gone
         open_features(out)
     assert not isinstance(error.value, StoreBeingCreatedError)

@@ -33,10 +33,49 @@ def exit_on_interrupt() -> None:
         signal.signal(signal.SIGINT, _interrupted)
 
 
-def main() -> int:
-    """The ``extract`` console script and ``python -m extract``."""
+# extract <command>: each a thin main() over a library function; ``run`` is also what flags alone mean
+COMMANDS = {
+    "run": ("extract", "extract a model's layers over a dataset into a store (the default: flags alone run it)"),
+    "list-layers": ("extract", "print every module of a model with its output shape and layout, then exit"),
+    "verify": ("verify", "check a store's chunks and metadata; --repair clears what a rerun recomputes"),
+    "probe": ("probe", "linear or k-NN probe accuracy for each layer of a store"),
+    "compare": ("compare", "linear CKA between the layers of one store or two"),
+    "report": ("report", "an HTML report with figures about a store"),
+    "export": ("export", "a packed token store's layer as SAELens's activation cache"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    return "\n".join(
+        [
+            "usage: extract <command> [options]   (extract --model ... --layers ... alone is `extract run`)",
+            "",
+            "commands:",
+            *lines,
+            "",
+            "`extract <command> --help` for a command's options; under a launcher: "
+            "accelerate launch [--multi_gpu --num_processes N] -m extract run ...",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``extract`` console script and ``python -m extract``: ``extract <command> [options]``, where a
+    command is one of ``COMMANDS``; options alone (``extract --model ...``) run a job, as they always did."""
     guard_launcher()
     exit_on_interrupt()
-    from .extract import main as extract_main
+    import importlib
+    import sys
 
-    return extract_main()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"], ["help"]):
+        print(usage())
+        return 0
+    name = args[0] if args and args[0] in COMMANDS else "run"
+    rest = args[1:] if args and args[0] in COMMANDS else args
+    if name == "list-layers":
+        rest = [*rest, "--list-layers"]
+    module = importlib.import_module(f"extract.cli.{COMMANDS[name][0]}")
+    return module.main(rest)
