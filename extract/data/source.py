@@ -12,10 +12,10 @@ from __future__ import annotations
 import hashlib
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from PIL import Image
@@ -142,6 +142,28 @@ class Document:
     error: str = ""  # why it could not be read (``DataOptions.skip_bad``; then ``text`` is "")
 
 
+class KeyList(Sequence[str]):
+    """A text source's keys, made as they are read: a store writes them block by block, so a corpus of
+    millions of documents never holds them all (a key is a Python string of about 80 bytes)."""
+
+    def __init__(self, source: TextSource) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self.source.key(i) for i in range(*index.indices(len(self)))]
+        return self.source.key(range(len(self))[index])
+
+
 class TextSource:
     """The documents of a text corpus, listed once; ``documents(start, stop)`` streams them.
 
@@ -166,6 +188,10 @@ class TextSource:
 
     def keys(self) -> list[str]:
         return [self.key(i) for i in range(len(self))]
+
+    def lazy_keys(self) -> KeyList:
+        """``keys()`` made as they are read (``KeyList``)."""
+        return KeyList(self)
 
     def describe(self, index: int) -> str:
         """Document ``index`` for messages (a full path)."""

@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,9 +403,14 @@ def _create(job: _Job, out: Path | str, writer: str) -> FeatureStore:
     return FeatureStore.create(
         out, shapes=job.shapes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
-        layouts=job.model.layers.stored_layouts(), keys=job.data.dataset.keys(),
+        layouts=job.model.layers.stored_layouts(), keys=_keys(job.data.dataset),
         indexes={} if text is not None else saved_indexes(job.data.dataset), kind=kind, text=arrays,
     )  # fmt: skip
+
+
+def _keys(dataset: Source | TextSource) -> Sequence[str]:
+    """The keys to write: a text corpus's made as they are written (millions of documents)."""
+    return dataset.lazy_keys() if isinstance(dataset, TextSource) else dataset.keys()
 
 
 def _share(
@@ -417,7 +422,7 @@ def _share(
     if main and resume and job.kind is not Kind.TOKENS:  # keys are written at creation: restore those of chunks to redo
         store.write_keys(pending, job.data.dataset.keys())
     if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
-        store.rewrite_documents(job.text.arrays(), job.data.dataset.keys(), job.text.rewrite)
+        store.rewrite_documents(job.text.arrays(), _keys(job.data.dataset), job.text.rewrite)
     shares = assign(pending, job.state.num_processes)
     life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
     if main and resume:

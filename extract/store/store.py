@@ -121,6 +121,13 @@ def document_arrays(kind: Kind, packed: bool, keys: bool) -> list[str]:
     return ["offsets"] if kind is Kind.DOCUMENTS else []
 
 
+def write_keys_in_blocks(array: zarr.Array, keys: Sequence[str]) -> None:
+    """``keys`` into ``array``, one object at a time: a lazy sequence of keys (``KeyList``) is never whole."""
+    block = array.chunks[0]
+    for start in range(0, len(keys), block):
+        array[start : start + block] = np.asarray(keys[start : start + block], dtype=STRINGS)
+
+
 def _object_keys(array: zarr.Array) -> list[str]:
     """The keys of every object of a 1-D ``array``, in order."""
     count = -(-array.shape[0] // array.chunks[0]) if array.shape[0] else 0
@@ -433,7 +440,12 @@ class _Skeleton:
         whole("valid", text.valid.astype(bool), "document", rows=not tokens)
         if self.keys is not None:  # packed: the source documents' keys, which ``doc`` indexes
             keys_dimension = "source_document" if text.packed else "document"
-            whole("keys", np.asarray(self.keys, dtype=STRINGS), keys_dimension, rows=not tokens, dtype=str)
+            chunk = self.chunk_size if not tokens else max(1, min(TEXT_CHUNK, len(self.keys)))
+            keys = group.create_array(
+                "keys", shape=(len(self.keys),), chunks=(chunk,), dtype=str, compressors=zstd,
+                dimension_names=(keys_dimension,), config={"write_empty_chunks": True},
+            )  # fmt: skip
+            write_keys_in_blocks(keys, self.keys)
         names = document_arrays(self.kind, text.packed, self.keys is not None)
         group.attrs.update({DOCUMENT_DIGESTS: _digests_of(group, names)})
 
@@ -819,11 +831,14 @@ class FeatureStore:
             "labels": text.labels,
             "valid": text.valid,
             "source_lengths": text.source_lengths,
-            "keys": None if keys is None else np.asarray(keys, dtype=STRINGS),
         }
         for name in names:
             array = self.array(name)
-            array[:] = np.asarray(values[name]).astype(array.dtype) if name != "keys" else values[name]
+            if name == "keys":
+                assert keys is not None
+                write_keys_in_blocks(array, keys)
+            else:
+                array[:] = np.asarray(values[name]).astype(array.dtype)
         recorded = dict(self.attrs.get(DOCUMENT_DIGESTS) or {})
         recorded.update(_digests_of(self.group, list(names)))
         self.update_attrs(**{DOCUMENT_DIGESTS: recorded})
