@@ -71,7 +71,7 @@ def sample_texts(features: Features, keys: Sequence[str]) -> SampleTexts | str:
         text_key=tokenization.get("text_key", job.get("text_key")),
     )
     try:
-        source = open_source(DataRequest(str(data), 224, options))
+        source = open_source(DataRequest(str(data), options))
     except (ExtractError, OSError, ImportError, ValueError) as e:
         return f"cannot open --data {data} from here to read its documents ({e})"
     if not isinstance(source, TextSource):
