@@ -40,8 +40,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..capture.tokens import MODEL_POOL, TEXT_POOLS, ModelPooling
 from ..errors import ExtractError
+from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling
 from .base import LoadedModel, ModelRequest
 from .hf import _load, _model_file, hidden_state_aliases
 
