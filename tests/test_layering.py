@@ -46,7 +46,7 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("extract.analysis.texts", "data"): "report: sample texts from the job's data source",
     # ``hidden_states.N`` aliases are found by running the model once under ``Capture`` and matching
     # the outputs: the hook machinery itself, which the model source needs, not a name.
-    ("extract.models.hf", "capture"): "hidden_states.N aliases found with Capture",
+    ("extract.models.hf_hub", "capture"): "hidden_states.N aliases found with Capture",
 }
 
 NAMES_MAY_IMPORT = {"numpy", "torch"}  # besides the standard library: names/ imports no other package
