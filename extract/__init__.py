@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Capture": "capture.hooks",
     "StopForward": "capture.hooks",
-    "LayerRef": "capture.layers",
+    "LayerRef": "names.layers",
     "resolve_layers": "capture.layers",
     "ChunkShuffleSampler": "read.dataset",
     "FeatureDataset": "read.dataset",
@@ -29,9 +29,10 @@ from .errors import ExtractError  # noqa: E402 - light, and what every caller ca
 
 if TYPE_CHECKING:
     from .capture.hooks import Capture, StopForward
-    from .capture.layers import LayerRef, resolve_layers
+    from .capture.layers import resolve_layers
     from .job.runner import run
     from .job.spec import JobSpec
+    from .names.layers import LayerRef
     from .read.dataset import ChunkShuffleSampler, FeatureDataset
     from .read.features import Features, open_features
     from .read.tokens import TokenStream

@@ -63,6 +63,95 @@ class StoreDamagedError(ExtractError):
     repair it (``python -m extract.verify --repair``, a rerun, or ``--overwrite``)."""
 
 
+class LocationError(ExtractError, ValueError):
+    """A store argument that is neither a local path nor a store URL this version can open."""
+
+
+class ObjectStorageMissing(ExtractError, ImportError):
+    """A store URL was given but the ``s3`` extra (obstore) is not installed."""
+
+
+class ForkedAfterObjectStorageError(ExtractError, RuntimeError):
+    """Object storage was used in a process forked from one that had used it: obstore's runtime does
+    not survive ``fork`` (its first request would hang), so the use is refused instead."""
+
+
+class LockUnavailable(ExtractError):
+    """The lock cannot be created at all (read-only filesystem, no permission): nothing can be written."""
+
+
+class WriterError(ExtractError, RuntimeError):
+    """The writer failed; the run stops with the cause attached. Exit status 1: not bad input (the
+    command line says it with what a rerun does: ``extract.cli.extract``)."""
+
+    exit_code = 1
+
+
+class PoolShapeError(ExtractError, ValueError):
+    """A ``--pool`` (or a reader's ``pool=``) that does not fit an output's shape or layout; ``for_layer``
+    says it for the layer of the command line."""
+
+    def __init__(self, pool: str, shape: tuple[int, ...], wanted: str, instead: str) -> None:
+        from .names.layers import shape_text  # names imports errors: here, not at the top
+
+        self.pool, self.shape, self.wanted, self.instead = pool, shape, wanted, instead
+        super().__init__(
+            f"--pool {pool} needs a {wanted} output but got shape {shape_text(shape)}; use --pool {instead}"
+        )
+
+    def for_layer(self, layer: str) -> ExtractError:
+        from .names.layers import shape_text
+
+        if self.wanted == "known layout":
+            return ExtractError(
+                f"--pool {self.pool} cannot tell which axes of layer '{layer}' {shape_text(self.shape, self.shape[0])} "
+                f"are spatial; say it with --layout {layer}=NCHW or --layout {layer}=NHWC"
+            )
+        return ExtractError(
+            f"--pool {self.pool} does not fit layer '{layer}': it needs a {self.wanted} output, "
+            f"the layer gives {shape_text(self.shape, self.shape[0])}; use --pool {self.instead} for this layer"
+        )
+
+
+class PoolMismatchError(ExtractError, ValueError):
+    """A ``pool=`` that does not fit the stored layer's shape."""
+
+
+class TextShapeError(ExtractError, ValueError):
+    """A layer whose output is not one row per token of the batch (a pooler, a classifier head)."""
+
+    def __init__(self, shape: tuple[int, ...], batch: tuple[int, int]) -> None:
+        self.shape, self.batch = shape, batch
+        super().__init__(f"gives shape {shape} for a batch of {batch[0]} sequences of {batch[1]} tokens")
+
+    def for_layer(self, layer: str) -> ExtractError:
+        return ExtractError(
+            f"layer '{layer}' {self.args[0]}: not one row per token (B, T, ...); pick a layer inside the "
+            "model's blocks (see --list-layers)"
+        )
+
+
+class ExcludeRuleError(ExtractError, ValueError):
+    """An ``exclude`` rule of ``TokenStream`` that is not one of the forms it knows."""
+
+
+class UnusableLayerError(ExtractError):
+    """One layer of a store cannot be read as asked (a pool that does not fit it, a damaged object,
+    a size that differs between two stores): the commands skip it with a note and go on."""
+
+    def __init__(self, store: object, layer: str, reason: str) -> None:
+        self.store, self.layer, self.reason = store, layer, reason
+        super().__init__(f"layer '{layer}' of {store} cannot be used: {reason}")
+
+    @property
+    def note(self) -> str:
+        return f"skipped layer '{self.layer}' of {self.store}: {self.reason}"
+
+
+class ExportError(ExtractError, ValueError):
+    """A store that cannot be exported as asked, or a destination that must not be written."""
+
+
 def rebuilt(kind: type[ExtractError], message: str) -> ExtractError:
     """An error of ``kind`` with ``message``: a rank told of rank 0's error raises the same type."""
     try:

@@ -10,7 +10,7 @@ from tiny_models import dict_net
 
 import extract
 from extract import Capture, ExtractError, StopForward
-from extract.capture.layout import Layout
+from extract.names.layout import Layout
 from extract.store.store import dimension_names
 
 

@@ -10,10 +10,10 @@ import zarr
 from conftest import ROOT
 
 from extract.capture.layers import resolve_layers
-from extract.capture.pooling import make_pool, per_layer
 from extract.cli.extract import parse_spec
 from extract.data import DATA_KINDS
 from extract.models import build_model
+from extract.names.pooling import make_pool, per_layer
 from extract.store.schema import codecs
 
 JOBS = sorted((ROOT / "jobs").glob("*.toml"))

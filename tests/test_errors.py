@@ -6,6 +6,7 @@ import os
 import socket
 
 import pytest
+import torch
 import torch.nn as nn
 
 from extract import ExtractError, resolve_layers
@@ -117,3 +118,58 @@ def test_the_interrupt_line_counts_the_whole_job():
     )
     one = Interrupted(signal.SIGINT, 1)
     assert str(one).startswith("interrupted by SIGINT: 1 chunk written and marked done;")
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "builtin"),
+    [
+        ("extract.store.location", "LocationError", ValueError),
+        ("extract.store.location", "ObjectStorageMissing", ImportError),
+        ("extract.store.location", "ForkedAfterObjectStorageError", RuntimeError),
+        ("extract.store.lock", "LockUnavailable", None),
+        ("extract.store.writer", "WriterError", RuntimeError),
+        ("extract.read.features", "PoolMismatchError", ValueError),
+        ("extract.read.tokens", "ExcludeRuleError", ValueError),
+        ("extract.analysis.samples", "UnusableLayerError", None),
+        ("extract.analysis.export", "ExportError", ValueError),
+        ("extract.capture.tokens", "TextShapeError", ValueError),
+    ],
+)
+def test_every_error_lives_in_errors_and_keeps_its_old_import_path(module, name, builtin):
+    import importlib
+
+    import extract.errors
+
+    kind = getattr(extract.errors, name)
+    assert getattr(importlib.import_module(module), name) is kind  # ``except`` clauses of user code keep working
+    assert issubclass(kind, ExtractError) and (builtin is None or issubclass(kind, builtin))
+
+
+def test_pool_shape_error_keeps_its_messages():
+    from extract.errors import PoolShapeError
+    from extract.names.pooling import make_pool
+
+    pool = make_pool("avg", "NCHW")
+    with pytest.raises(PoolShapeError, match=r"--pool avg needs a \(B, C, H, W\) output but got shape \(2, 3\)") as e:
+        pool(torch.zeros(2, 3))
+    assert isinstance(e.value, ValueError)
+    assert str(e.value.for_layer("fc")) == (
+        "--pool avg does not fit layer 'fc': it needs a (B, C, H, W) output, the layer gives (B, 3); "
+        "use --pool none for this layer"
+    )
+
+
+def test_a_writer_error_is_one_line_exit_status_1_saying_what_a_rerun_does(capsys):
+    from extract.cli.base import command
+    from extract.cli.extract import EXTRACTION_FAILURES
+    from extract.errors import WriterError
+
+    @command("extract", EXTRACTION_FAILURES)
+    def main() -> int:
+        raise WriterError("writing the store failed: OSError(28, 'No space left on device')")
+
+    assert main() == 1
+    assert capsys.readouterr().err == (
+        "extract: error: writing the store failed: OSError(28, 'No space left on device'); "
+        "chunks not fully written are not marked done, a rerun redoes them\n"
+    )

@@ -325,8 +325,8 @@ def test_cached_torchvision_weights_are_used_offline(as_a_user_runs_it):
 
 def test_pool_help_names_the_text_pools():
     """--help lists every --pool a store can be made with: the text pools (first and last) too."""
-    from extract.capture.tokens import TEXT_POOLS
     from extract.cli.extract import build_parser
+    from extract.names.pooling import TEXT_POOLS
 
     words = next(action.help for action in build_parser()._actions if "--pool" in action.option_strings)
     assert all(pool in words for pool in TEXT_POOLS) and "a row per document" in words, words

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import ExtractError, StoreDamagedError
+from ..errors import ExportError, ExtractError, StoreDamagedError
 from ..names import Kind
 from ..read.features import Features, open_features
 
@@ -57,10 +57,6 @@ BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
 SHARD_BYTES = 500 * 10**6  # rows per arrow file: datasets' own default max_shard_size ("500MB")
 DTYPES = ("float16", "float32")  # what a float16 / float32 store exports to (arrow has no bfloat16)
 METADATA = "extract_export.json"
-
-
-class ExportError(ExtractError, ValueError):
-    """A store that cannot be exported as asked, or a destination that must not be written."""
 
 
 @dataclass(frozen=True)

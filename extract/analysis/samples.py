@@ -11,9 +11,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..capture.layers import closest, matches_glob
-from ..errors import ExtractError, LayerNotFoundError
+from ..errors import ExtractError, LayerNotFoundError, UnusableLayerError
 from ..names import Kind
+from ..names.layers import closest, matches_glob
 from ..read.features import Features
 
 # Rows are read this many (pooled, float32) bytes at a time when a probe streams a layer.
@@ -21,19 +21,6 @@ BLOCK_BYTES = 16 * 2**20
 # Rows that differ by less than this, relative to the largest value, are the same vector: float
 # rounding of one computation that does not depend on the input.
 CONSTANT_TOLERANCE = 1e-6
-
-
-class UnusableLayerError(ExtractError):
-    """One layer of a store cannot be read as asked (a pool that does not fit it, a damaged object,
-    a size that differs between two stores): the commands skip it with a note and go on."""
-
-    def __init__(self, store: object, layer: str, reason: str) -> None:
-        self.store, self.layer, self.reason = store, layer, reason
-        super().__init__(f"layer '{layer}' of {store} cannot be used: {reason}")
-
-    @property
-    def note(self) -> str:
-        return f"skipped layer '{self.layer}' of {self.store}: {self.reason}"
 
 
 def open_rows(path: object, command: str) -> Features:

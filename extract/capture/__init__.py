@@ -3,8 +3,9 @@ layers.py), the ``Layout`` of an output and how it is inferred (layout.py), pool
 dummy-batch forwards that list layers and validate them before anything is written (setup.py), and
 the host staging that moves captured batches off the device (staging.py)."""
 
+from ..names.layers import LayerRef
+from ..names.layout import Layout
 from .hooks import Capture, Edit, StopForward
-from .layers import LayerRef, resolve_layers
-from .layout import Layout
+from .layers import resolve_layers
 
 __all__ = ["Capture", "Edit", "LayerRef", "Layout", "StopForward", "resolve_layers"]

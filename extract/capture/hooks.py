@@ -14,11 +14,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..errors import ExtractError
-from .layers import LayerRef, closest, resolve_layers, select
+from ..errors import ExtractError, PoolShapeError, TextShapeError
+from ..names.layers import LayerRef, closest
+from ..names.pooling import Pool
+from .layers import resolve_layers, select
 from .layout import shape_tree
-from .pooling import Pool, PoolShapeError
-from .tokens import TextShapeError
 
 Sink = Callable[[str, torch.Tensor], None]
 Edit = Callable[[torch.Tensor], Any]

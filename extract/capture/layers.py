@@ -1,12 +1,11 @@
-"""Layer names: ``--layers`` patterns (names, one-segment globs, ``NAME:0`` / ``NAME:key`` selectors and
-the source's aliases such as ``hidden_states.N``) resolved to ``LayerRef``s, the tensor a selector
-picks in a module's output, and the shape text every message shows."""
+"""Layer resolution: ``--layers`` patterns (names, one-segment globs, ``NAME:0`` / ``NAME:key`` selectors
+and the source's aliases such as ``hidden_states.N``) resolved to ``LayerRef``s against a model, the
+tensor a selector picks in a module's output, and the shape of any output in messages. The names
+themselves (``LayerRef``, ``matches_glob``, ``closest``, ``shape_text``) are ``extract.names.layers``."""
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -14,23 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import ExtractError, LayerNotFoundError
-
-
-@dataclass(frozen=True)
-class LayerRef:
-    """One captured output: ``module`` is a name from ``named_modules()``; ``selector`` picks
-    an element of a tuple/list (an index) or dict (a key) output; ``alias`` is the source's name for
-    it (``hidden_states.3``), when it was asked for by that. ``name`` is how the store calls it."""
-
-    module: str
-    selector: int | str | None = None
-    alias: str | None = None
-
-    @property
-    def name(self) -> str:
-        if self.alias is not None:
-            return self.alias
-        return self.module if self.selector is None else f"{self.module}:{self.selector}"
+from ..names.layers import LayerRef, closest, matches_glob, shape_text
 
 
 def _split_selector(pattern: str) -> tuple[str, int | str | None]:
@@ -40,17 +23,6 @@ def _split_selector(pattern: str) -> tuple[str, int | str | None]:
     if not selector:
         raise ExtractError(f"layer '{pattern}' has an empty selector; write NAME:0 or NAME:key")
     return module, int(selector) if selector.lstrip("-").isdigit() else selector
-
-
-def matches_glob(pattern: str, name: str) -> bool:
-    # '*' stays inside one dotted segment, so 'layer*' gives layer1..layer4, not their children.
-    parts, segments = pattern.split("."), name.split(".")
-    return len(parts) == len(segments) and all(fnmatchcase(s, p) for p, s in zip(parts, segments, strict=True))
-
-
-def closest(name: str, candidates: list[str], n: int = 3) -> str:
-    close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5) or candidates[:n]
-    return ", ".join(close)
 
 
 def _normalize_alias(pattern: str, aliases: Mapping[str, LayerRef]) -> str:
@@ -131,14 +103,6 @@ def select(output: Any, ref: LayerRef) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ExtractError(f"layer '{ref.name}' selects a {type(value).__name__}, not a tensor")
     return value
-
-
-def shape_text(shape: Sequence[int], batch: int | None = None) -> str:
-    """``(B, 256, 4, 4)``: the batch axis as B, as --list-layers and every message show shapes."""
-    dims = [str(d) for d in shape]
-    if dims and batch is not None and shape[0] == batch:
-        dims[0] = "B"
-    return f"({', '.join(dims)})"
 
 
 def describe(output: Any, batch: int | None = None) -> str:

@@ -13,12 +13,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..errors import ExtractError
+from ..errors import ExtractError, PoolShapeError, TextShapeError
+from ..names.layers import LayerRef, shape_text
+from ..names.layout import Layout
+from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling, Pool, make_pool, per_layer
 from .hooks import Capture
-from .layers import LayerRef, describe, shape_text
-from .layout import Layout, infer_layout, selected_shape
-from .pooling import Pool, PoolShapeError, make_pool, per_layer
-from .tokens import MODEL_POOL, TEXT_POOLS, ModelPooling, TextReduce, TextSelection, TextShapeError
+from .layers import describe
+from .layout import infer_layout, selected_shape
+from .tokens import TextReduce, TextSelection
 
 Run = Callable[[Any], Any]
 Example = torch.Tensor | Mapping[str, torch.Tensor]  # a batch of pixels, or of tokenized text (input_ids...)

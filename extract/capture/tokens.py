@@ -13,34 +13,12 @@ where the model's pipeline has one (sentence-transformers' ``Normalize``); the m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ExtractError
-
-TEXT_POOLS = ("mean", "max", "first", "last")
-MODEL_POOL = "model"  # --pool model: the pooling the model's own files name (ModelPooling)
-
-
-@dataclass(frozen=True)
-class ModelPooling:
-    """``--pool model``: the pooling a model's own pipeline applies to its token rows, as the model
-    source read it from the model's files: ``pool`` (one of ``TEXT_POOLS``), then an L2
-    normalization where ``normalize``. ``source`` says which files said so, for the store's record."""
-
-    pool: str
-    normalize: bool
-    source: str
-
-    def __post_init__(self) -> None:
-        if self.pool not in TEXT_POOLS:
-            raise ValueError(f"pool {self.pool!r}: choose one of {', '.join(TEXT_POOLS)}")
-
-    def record(self) -> dict[str, Any]:
-        """What the store records as applied (``model_pooling``)."""
-        return {"pool": self.pool, "normalize": self.normalize, "source": self.source}
+from ..errors import ExtractError, TextShapeError
+from ..names.pooling import MODEL_POOL, TEXT_POOLS
 
 
 @dataclass
@@ -96,17 +74,3 @@ def pool_tokens(x: torch.Tensor, mask: torch.Tensor, pool: str) -> torch.Tensor:
         last = mask.long().sum(1).clamp(min=1) - 1
         return x[torch.arange(x.shape[0], device=x.device), last]
     raise ValueError(f"pool {pool!r}: choose one of {', '.join(TEXT_POOLS)}")
-
-
-class TextShapeError(ExtractError):
-    """A layer whose output is not one row per token of the batch (a pooler, a classifier head)."""
-
-    def __init__(self, shape: tuple[int, ...], batch: tuple[int, int]) -> None:
-        self.shape, self.batch = shape, batch
-        super().__init__(f"gives shape {shape} for a batch of {batch[0]} sequences of {batch[1]} tokens")
-
-    def for_layer(self, layer: str) -> ExtractError:
-        return ExtractError(
-            f"layer '{layer}' {self.args[0]}: not one row per token (B, T, ...); pick a layer inside the "
-            "model's blocks (see --list-layers)"
-        )

@@ -39,11 +39,18 @@ def command(
     prog: str, failures: Mapping[type[BaseException], Failure] | None = None
 ) -> Callable[[Callable[P, int]], Callable[P, int]]:
     """Make ``main`` a command: an ``ExtractError`` becomes ``PROG: error: MESSAGE`` (unless another
-    process says it) and its exit status, 2 unless the type says otherwise (1 for a ``LockLostError``);
-    an exception of a type in ``failures`` goes to the first handler (in order) whose type it is; an
+    process says it) and its exit status, 2 unless the type says otherwise (1 for a ``LockLostError``),
+    unless ``failures`` names its type (a ``WriterError`` says what a rerun does); an exception of a type
+    in ``failures`` goes to the first handler (in order) whose type it is; an
     error of object storage past its retries is one line naming the request, exit status 1; anything
     else propagates with its traceback, since it is a bug rather than bad input."""
     failures = dict(failures or {})
+
+    def own_handler(error: ExtractError) -> Failure | None:
+        """The handler ``failures`` names for this ``ExtractError``'s own type, if any."""
+        return next(
+            (h for kind, h in failures.items() if issubclass(kind, ExtractError) and isinstance(error, kind)), None
+        )
 
     def wrap(main: Callable[P, int]) -> Callable[P, int]:
         @functools.wraps(main)
@@ -51,6 +58,8 @@ def command(
             try:
                 return main(*args, **kwargs)
             except ExtractError as e:  # first: a typed error may also be an OSError or a KeyError
+                if handle := own_handler(e):  # an error with a line of its own (``WriterError``)
+                    return handle(prog, e)
                 if not e.quiet:
                     say(prog, f"error: {e}")
                 return e.exit_code

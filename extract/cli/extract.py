@@ -10,18 +10,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..capture.layout import Layout
-from ..capture.pooling import POOL_CHOICES
-from ..capture.tokens import MODEL_POOL, TEXT_POOLS
 from ..data.registry import data_kinds
-from ..errors import ExtractError
+from ..errors import ExtractError, WriterError
 from ..job.interrupt import Interrupted
 from ..job.launcher import is_first_rank, speaks_for_machine
 from ..job.spec import DECODES, DEFAULT_COMPRESSORS, DTYPES, PRECISIONS, JobSpec, check_types
 from ..models.registry import model_kinds
+from ..names.layout import Layout
+from ..names.pooling import MODEL_POOL, POOL_CHOICES, TEXT_POOLS
 from ..store.location import described, from_object_storage
 from ..store.schema import COMPRESSORS
-from ..store.writer import WriterError
 from .base import Failure, Parser, command, say
 
 

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, LockLostError, StoreBusyError, StoreDamagedError, rebuilt
+from ..errors import ExtractError, LockLostError, LockUnavailable, StoreBusyError, StoreDamagedError, rebuilt
 from ..store.fence import lost_lock
 from ..store.location import from_object_storage, is_url, storage_error
-from ..store.lock import LockUnavailable, StoreLock, lock_path
+from ..store.lock import StoreLock, lock_path
 from ..store.object_lock import ObjectStoreLock
 from ..store.store import (
     DAMAGED,

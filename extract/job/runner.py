@@ -21,7 +21,7 @@ from accelerate.utils import gather_object
 from torch import nn
 
 from ..capture.hooks import Edit
-from ..capture.layers import LayerRef, resolve_layers
+from ..capture.layers import resolve_layers
 from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
 from ..data import (
     LEGACY_SAVED_INDEX,
@@ -39,6 +39,7 @@ from ..errors import ExtractError
 from ..models import LoadedModel, build_model, library_versions
 from ..models.hf_text import input_device
 from ..names import Kind
+from ..names.layers import LayerRef
 from ..store.chunks import Plan
 from ..store.schema import JobParts
 from ..store.store import FeatureStore, saved_index

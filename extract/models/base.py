@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..capture.layers import LayerRef
 from ..errors import ExtractError
+from ..names.layers import LayerRef
 
 Transform = Callable[[Any], torch.Tensor]
 

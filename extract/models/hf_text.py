@@ -40,10 +40,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..capture.tokens import MODEL_POOL, TEXT_POOLS, ModelPooling
 from ..errors import ExtractError
+from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling
 from .base import LoadedModel, ModelRequest
-from .hf import _load, _model_file, hidden_state_aliases
+from .hf_hub import hidden_state_aliases, load_pretrained, model_file
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TEXT_PARTS = "model and tokenizer"  # what a save_pretrained directory of a text model holds, for messages
@@ -377,7 +377,7 @@ def read_sentence_config(name: str, hub_offline: bool) -> tuple[SentenceConfig |
     """The sentence-transformers pipeline of ``hf:name`` (None where it has no ``modules.json``) and
     where ``modules.json`` was looked for. A pipeline extract cannot reproduce is not refused here
     (``--pool mean`` still works on it): ``problem`` says why, for ``--pool model``."""
-    modules_file = _model_file(name, SENTENCE_MODULES, hub_offline)
+    modules_file = model_file(name, SENTENCE_MODULES, hub_offline)
     looked = str(Path(name, SENTENCE_MODULES)) if Path(name).is_dir() else f"{SENTENCE_MODULES} of hf:{name}"
     if modules_file is None:
         return None, looked
@@ -385,7 +385,7 @@ def read_sentence_config(name: str, hub_offline: bool) -> tuple[SentenceConfig |
     modules = _json_file(modules_file, "sentence-transformers modules")
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ExtractError(f"{where} is not a sentence-transformers module list (a JSON list of objects); fix it")
-    config_file = _model_file(name, SENTENCE_CONFIG, hub_offline)
+    config_file = model_file(name, SENTENCE_CONFIG, hub_offline)
     settings = _json_file(config_file, "sentence-transformers settings") if config_file is not None else {}
     length = settings.get("max_seq_length") if isinstance(settings, dict) else None
     length = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
@@ -400,7 +400,7 @@ def read_sentence_config(name: str, hub_offline: bool) -> tuple[SentenceConfig |
             continue
         if kind == "Pooling" and pool is None:
             path = str(Path(str(module.get("path", "")), "config.json"))
-            pooling_file = _model_file(name, path, hub_offline)
+            pooling_file = model_file(name, path, hub_offline)
             if pooling_file is None:
                 problem = f"--pool {MODEL_POOL}: {where} names a Pooling module whose {path} is missing; {fix}"
                 break
@@ -463,8 +463,8 @@ def build(name: str, request: ModelRequest) -> TextModel:
         raise ExtractError(f"--weights {request.weights}: hf models take DEFAULT (the saved weights) or none")
     dtype = DTYPES[request.precision or "fp32"]
     offline = request.hub_offline
-    tokenizer = _load("the tokenizer", name, AutoTokenizer.from_pretrained, offline, TEXT_PARTS)
-    config = _load("the config", name, AutoConfig.from_pretrained, offline, TEXT_PARTS)
+    tokenizer = load_pretrained("the tokenizer", name, AutoTokenizer.from_pretrained, offline, TEXT_PARTS)
+    config = load_pretrained("the config", name, AutoConfig.from_pretrained, offline, TEXT_PARTS)
     sentence, looked = read_sentence_config(name, offline)  # before the weights: a bad file is said at once
     auto = text_model_class(config)
     if request.load_weights and request.weights.lower() == "default":
@@ -473,7 +473,7 @@ def build(name: str, request: ModelRequest) -> TextModel:
             placed = {"device_map": request.device_map} if request.device_map else {}
             return auto.from_pretrained(source, dtype=dtype, **placed, **options)
 
-        model = _load("the weights", name, load, offline, TEXT_PARTS)
+        model = load_pretrained("the weights", name, load, offline, TEXT_PARTS)
         description = f"hf:{name}"
     else:
         model = auto.from_config(config).to(dtype)

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..capture.layers import closest
 from ..errors import ExtractError
+from ..names.layers import closest
 from .base import LoadedModel, ModelRequest, ModelSource, cached_hub_file, download_failed
 
 HUB_WEIGHTS = "open_clip_pytorch_model.bin"  # OpenCLIP's file name where a tag names a hub repository only

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..capture.layers import closest
 from ..errors import ExtractError
+from ..names.layers import closest
 from .base import LoadedModel, ModelRequest, ModelSource, cached_hub_file, download_failed
 
 HUB_WEIGHTS = "pytorch_model.bin"  # timm's default file name on the hub

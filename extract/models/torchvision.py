@@ -8,8 +8,8 @@ from typing import Any
 from torchvision.models import get_model, get_model_weights, list_models
 from torchvision.transforms._presets import ImageClassification
 
-from ..capture.layers import closest
 from ..errors import ExtractError
+from ..names.layers import closest
 from .base import LoadedModel, ModelRequest, ModelSource, download_failed
 
 

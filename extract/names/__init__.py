@@ -1,5 +1,10 @@
-"""The vocabulary every stage shares, importing no stage: what a store's rows are (``Kind``) and how a
-packed store's contexts were cut (``PackInfo``)."""
+"""The vocabulary every stage shares, importing no stage: what a store's rows are (``Kind``), how a
+packed store's contexts were cut (``PackInfo``), layer names (``LayerRef``, ``matches_glob``,
+``closest``, ``shape_text``: ``layers.py``), which axis holds the channels (``Layout``: ``layout.py``)
+and the pool names and their reductions (``make_pool``, ``per_layer``, ``POOL_CHOICES``, ``TEXT_POOLS``,
+``MODEL_POOL``, ``ModelPooling``: ``pooling.py``, imported by name, since it loads torch).
+
+Capture, the store, the reader and the analysis import these from here; nothing here imports them."""
 
 from __future__ import annotations
 
@@ -8,6 +13,11 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
+
+from .layers import LayerRef, closest, matches_glob, shape_text
+from .layout import Layout
+
+__all__ = ["Kind", "LayerRef", "Layout", "PackInfo", "closest", "matches_glob", "shape_text"]
 
 
 class Kind(StrEnum):

@@ -16,10 +16,17 @@ import torch
 import zarr
 from zarr.buffer.cpu import NDBuffer
 
-from ..capture.layers import closest
-from ..capture.pooling import PoolShapeError, make_pool
-from ..errors import ExtractError, LayerNotFoundError, SampleIndexError, StoreDamagedError
+from ..errors import (
+    ExtractError,
+    LayerNotFoundError,
+    PoolMismatchError,
+    PoolShapeError,
+    SampleIndexError,
+    StoreDamagedError,
+)
 from ..names import Kind
+from ..names.layers import closest
+from ..names.pooling import make_pool
 from ..store import objects
 from ..store.chunks import Plan
 from ..store.location import from_object_storage, is_url, storage_error
@@ -143,10 +150,6 @@ DIMENSION_LAYOUTS = {
     ("token", "dim"): "NLC",
     ("dim", "token"): "NCL",
 }
-
-
-class PoolMismatchError(ExtractError, ValueError):
-    """A ``pool=`` that does not fit the stored layer's shape."""
 
 
 def _pool_mismatch(

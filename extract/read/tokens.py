@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import ExtractError
+from ..errors import ExcludeRuleError, ExtractError
 from ..names import Kind
 from ..store.chunks import Plan
 from ..store.location import check_not_forked
@@ -29,10 +29,6 @@ Batch = torch.Tensor | dict[str, torch.Tensor]
 NORM_SAMPLE_CHUNKS = 32
 
 RULE_FORMS = "'special', 'first:K' (K a positive int) or 'high_norm:M' (M a positive number)"
-
-
-class ExcludeRuleError(ExtractError, ValueError):
-    """An ``exclude`` rule of ``TokenStream`` that is not one of the forms it knows."""
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..errors import ExtractError, ObjectStorageError
+from ..errors import (
+    ExtractError,
+    ForkedAfterObjectStorageError,
+    LocationError,
+    ObjectStorageError,
+    ObjectStorageMissing,
+)
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
@@ -62,14 +68,6 @@ _CLIENT_KEYS = (
     "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
     "randomize_addresses", "read_timeout", "timeout", "user_agent",
 )  # fmt: skip
-
-
-class LocationError(ExtractError, ValueError):
-    """A store argument that is neither a local path nor a store URL this version can open."""
-
-
-class ObjectStorageMissing(ExtractError, ImportError):
-    """A store URL was given but the ``s3`` extra (obstore) is not installed."""
 
 
 def is_url(text: str | os.PathLike[str]) -> bool:
@@ -193,11 +191,6 @@ def _s3_options() -> tuple[dict[str, Any], dict[str, Any]]:
     if endpoint is not None and endpoint.lower().startswith("http://") and "AWS_ALLOW_HTTP" not in os.environ:
         client["allow_http"] = True
     return config, client
-
-
-class ForkedAfterObjectStorageError(ExtractError, RuntimeError):
-    """Object storage was used in a process forked from one that had used it: obstore's runtime does
-    not survive ``fork`` (its first request would hang), so the use is refused instead."""
 
 
 _used_in: int | None = None  # the process whose obstore runtime is live (inherited by a fork)

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ExtractError, LockLostError, StoreBusyError
+from ..errors import ExtractError, LockLostError, LockUnavailable, StoreBusyError
 
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0
@@ -121,10 +121,6 @@ def lost_lock(store: Path) -> LockLostError:
 def _record_path(path: Path) -> Path:
     """This process's own file for the record it links into place at ``path`` (see ``_create``)."""
     return path.with_name(f".{path.name}-{socket.gethostname()}-{os.getpid()}")
-
-
-class LockUnavailable(ExtractError):
-    """The lock cannot be created at all (read-only filesystem, no permission): nothing can be written."""
 
 
 def _holder(path: Path) -> dict[str, Any] | None:

@@ -24,9 +24,9 @@ import zarr
 from zarr.buffer import default_buffer_prototype
 from zarr.codecs import Crc32cCodec
 
-from ..capture.layout import Layout
 from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreNotFoundError
 from ..names import Kind
+from ..names.layout import Layout
 from . import objects, remote, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, lost_lock, writer_of

@@ -7,25 +7,40 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from ..capture.staging import HostStaging, Slot
-from ..errors import LockLostError
+from ..errors import LockLostError, WriterError
 from ..names import Kind
 from .chunks import Plan, chunk_segments
 from .location import described, from_object_storage
 from .store import FeatureStore
 
 
+class Slot(Protocol):
+    """One staged batch: a host buffer per layer (``extract.capture.staging.Slot`` is one). The writer
+    names only what it reads, so that the store imports nothing of capture."""
+
+    buffers: dict[str, torch.Tensor]
+
+
+class Staging(Protocol):
+    """The pool the staged batches come from (``extract.capture.staging.HostStaging``): its dtype, its
+    number of slots, and a slot's wait (for its copies) and release (back to the pool)."""
+
+    dtype: torch.dtype
+    num_slots: int
+
+    def wait(self, slot: Any) -> None: ...
+
+    def release(self, slot: Any) -> None: ...
+
+
 def _described(error: BaseException) -> str:
     """One line: obstore's errors carry a many-line dump of the request after their first line."""
     return described(error) if from_object_storage(error) else repr(error)
-
-
-class WriterError(RuntimeError):
-    """The writer failed; the run stops with the cause attached."""
 
 
 class _OpenChunk:
@@ -62,7 +77,7 @@ class ChunkWriter:
     def __init__(
         self,
         store: FeatureStore,
-        staging: HostStaging,
+        staging: Staging,
         plan: Plan,
         shapes: Mapping[str, tuple[int, ...]],
         threads: int = 1,

@@ -1,41 +1,47 @@
-"""Reductions applied to a captured activation before it leaves the device (``--pool``), per layer
-and along the axes its layout says (``extract.capture.layout``); ``per_layer`` spreads ``--pool`` and
-``--layout`` values over the layers."""
+"""Pool names and the reductions they make: ``make_pool`` parses one ``--pool`` (or a reader's ``pool=``)
+into the reduction of an output along the axes its ``Layout`` says, which capture applies before a
+captured activation leaves the device and a reader applies to stored rows; ``per_layer`` spreads
+``--pool`` and ``--layout`` values over the layers. The names of a text layer's pools (``TEXT_POOLS``,
+``MODEL_POOL``) and what a model's own files name (``ModelPooling``) are here too; the reductions of
+a text batch are capture's (``extract.capture.tokens``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ExtractError
-from .layers import LayerRef, matches_glob, shape_text
+from ..errors import ExtractError, PoolShapeError
+from .layers import LayerRef, matches_glob
 from .layout import Layout
-from .tokens import MODEL_POOL
 
 Pool = Callable[[torch.Tensor], torch.Tensor]
 
-POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")
+POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")  # an image (or any 4-D / 3-D) layer
+TEXT_POOLS = ("mean", "max", "first", "last")
+MODEL_POOL = "model"  # --pool model: the pooling the model's own files name (ModelPooling)
 
 
-class PoolShapeError(ExtractError):
-    def __init__(self, pool: str, shape: tuple[int, ...], wanted: str, instead: str) -> None:
-        self.pool, self.shape, self.wanted, self.instead = pool, shape, wanted, instead
-        super().__init__(
-            f"--pool {pool} needs a {wanted} output but got shape {shape_text(shape)}; use --pool {instead}"
-        )
+@dataclass(frozen=True)
+class ModelPooling:
+    """``--pool model``: the pooling a model's own pipeline applies to its token rows, as the model
+    source read it from the model's files: ``pool`` (one of ``TEXT_POOLS``), then an L2
+    normalization where ``normalize``. ``source`` says which files said so, for the store's record."""
 
-    def for_layer(self, layer: str) -> ExtractError:
-        if self.wanted == "known layout":
-            return ExtractError(
-                f"--pool {self.pool} cannot tell which axes of layer '{layer}' {shape_text(self.shape, self.shape[0])} "
-                f"are spatial; say it with --layout {layer}=NCHW or --layout {layer}=NHWC"
-            )
-        return ExtractError(
-            f"--pool {self.pool} does not fit layer '{layer}': it needs a {self.wanted} output, "
-            f"the layer gives {shape_text(self.shape, self.shape[0])}; use --pool {self.instead} for this layer"
-        )
+    pool: str
+    normalize: bool
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.pool not in TEXT_POOLS:
+            raise ValueError(f"pool {self.pool!r}: choose one of {', '.join(TEXT_POOLS)}")
+
+    def record(self) -> dict[str, Any]:
+        """What the store records as applied (``model_pooling``)."""
+        return {"pool": self.pool, "normalize": self.normalize, "source": self.source}
 
 
 def _spatial(name: str, layout: Layout | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pool:
@@ -84,7 +90,7 @@ def make_pool(spec: str, layout: Layout | str | None = Layout.NCHW) -> Pool | No
         return _tokens(spec, token_axis, lambda x: x[:, 0])
     if spec == "mean":
         return _tokens(spec, token_axis, lambda x: x.mean(dim=1))
-    if spec == MODEL_POOL:  # a text model's own pipeline: its files name it (capture.tokens.ModelPooling)
+    if spec == MODEL_POOL:  # a text model's own pipeline: its files name it (``ModelPooling``)
         raise ExtractError(
             f"--pool {MODEL_POOL} is the pooling a text model's sentence-transformers files name; "
             f"an image layer takes one of {', '.join(POOL_CHOICES)}"

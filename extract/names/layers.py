@@ -1,0 +1,47 @@
+"""Layer names every stage shares: ``LayerRef`` (one captured output and the name a store calls it),
+``matches_glob`` (the one-segment globs of ``--layers`` and of a store's layers), ``closest`` (the
+suggestions an unknown name gets) and ``shape_text`` (the shape every message shows). Resolving
+patterns against a model is capture's machinery (``extract.capture.layers``)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    """One captured output: ``module`` is a name from ``named_modules()``; ``selector`` picks
+    an element of a tuple/list (an index) or dict (a key) output; ``alias`` is the source's name for
+    it (``hidden_states.3``), when it was asked for by that. ``name`` is how the store calls it."""
+
+    module: str
+    selector: int | str | None = None
+    alias: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.alias is not None:
+            return self.alias
+        return self.module if self.selector is None else f"{self.module}:{self.selector}"
+
+
+def matches_glob(pattern: str, name: str) -> bool:
+    # '*' stays inside one dotted segment, so 'layer*' gives layer1..layer4, not their children.
+    parts, segments = pattern.split("."), name.split(".")
+    return len(parts) == len(segments) and all(fnmatchcase(s, p) for p, s in zip(parts, segments, strict=True))
+
+
+def closest(name: str, candidates: list[str], n: int = 3) -> str:
+    close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5) or candidates[:n]
+    return ", ".join(close)
+
+
+def shape_text(shape: Sequence[int], batch: int | None = None) -> str:
+    """``(B, 256, 4, 4)``: the batch axis as B, as --list-layers and every message show shapes."""
+    dims = [str(d) for d in shape]
+    if dims and batch is not None and shape[0] == batch:
+        dims[0] = "B"
+    return f"({', '.join(dims)})"
