@@ -8,19 +8,54 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
-from ..data.registry import data_kinds
 from ..errors import ExtractError, WriterError
 from ..job.interrupt import Interrupted
 from ..job.launcher import is_first_rank, speaks_for_machine
-from ..job.spec import DECODES, DEFAULT_COMPRESSORS, DTYPES, PRECISIONS, JobSpec, check_types
-from ..models.registry import model_kinds
-from ..names.layout import Layout
-from ..names.pooling import MODEL_POOL, POOL_CHOICES, TEXT_POOLS
+from ..job.spec import JobSpec, Option, check_types, job_options
 from ..store.location import described, from_object_storage
-from ..store.schema import COMPRESSORS
 from .base import Failure, Parser, command, say
+
+# The flags that are no job option: where the options come from, and what to do instead of a job. Declared
+# as the job's are (``extract.job.spec.Option``), so that the flag reference renders them too.
+CONFIG = Option(
+    metavar="TOML",
+    help="take options from a TOML job file; flags override it",
+    reference="take options from a job file (its keys are the options' names with underscores, as "
+    "`batch_size = 32`); flags given on the command line override it. Every key is type-checked against the "
+    'job\'s options (`overwrite = "no"` is an error, not true) before anything is created',
+)
+LIST_LAYERS = Option(
+    help="print every module with its output shape, then exit",
+    reference="print every module (and alias) with its class, output shape for a batch of B dummy images (for "
+    "text models, B sequences of T tokens) and layout (NCHW, NHWC, NLC, NCL), then exit; builds the "
+    "architecture only, never downloads",
+)
+
+
+def flags() -> list[tuple[str, Option, dict[str, Any]]]:
+    """Every flag of ``extract run`` in --help's order: (its dest, its declaration, argparse's keywords).
+
+    A job option's kind follows its ``JobSpec`` type. Every default is None, so that ``parse_spec`` can tell
+    a flag given from one left out (a TOML job file's value stands unless a flag overrides it)."""
+    hints = get_type_hints(JobSpec)
+    found = [("config", CONFIG, {"metavar": CONFIG.metavar})]
+    for f, declared in job_options():
+        kind, keywords = hints[f.name], {}
+        if kind is bool:  # a switch that turns the default over: --overwrite, --no-truncate
+            keywords["action"] = "store_false" if f.default else "store_true"
+        else:
+            if list in (get_origin(kind), *map(get_origin, get_args(kind))):
+                keywords["nargs"] = "+"  # --layers, --layout, --pool (one value, or one per layer)
+            if int in (kind, *get_args(kind)) or float in (kind, *get_args(kind)):
+                keywords["type"] = int if int in (kind, *get_args(kind)) else float
+            if declared.metavar is not None:
+                keywords["metavar"] = declared.metavar
+        found.append((f.name, declared, keywords))
+        if f.name == "layers":  # --list-layers is what to give when the layers' names are not known: beside it
+            found.append(("list_layers", LIST_LAYERS, {"action": "store_true"}))
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,123 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Capture layer activations of a PyTorch model over a dataset into a chunked zarr store.",
         epilog="Multi-process: accelerate launch [--multi_gpu --num_processes N] -m extract ...",
     )
-    p.add_argument("--config", metavar="TOML", help="take options from a TOML job file; flags override it")
-    p.add_argument(
-        "--model",
-        help=f"{model_kinds()} (default resnet50)",
-    )
-    p.add_argument(
-        "--weights", help="torchvision weights name, DEFAULT (the source's pretrained weights), or none (random init)"
-    )
-    p.add_argument("--checkpoint", metavar="PATH", help="state_dict file loaded with weights_only=True")
-    p.add_argument("--seed", type=int, help="seed for random init (--weights none; default 0)")
-    p.add_argument("--layers", nargs="+", metavar="L", help="module names, globs (layer*), or name:0 / name:key")
-    p.add_argument("--list-layers", action="store_true", help="print every module with its output shape, then exit")
-    p.add_argument(
-        "--data",
-        metavar="SPEC",
-        help=data_kinds(),
-    )
-    p.add_argument(
-        "--image-key", metavar="K", help="wds: image extension; parquet/hf: image column (default: detected)"
-    )
-    p.add_argument(
-        "--label-key",
-        metavar="K",
-        help="wds: label extension (default cls); parquet/hf: column (label); text: field or column "
-        "(integers, or jsonl strings: class names)",
-    )
-    p.add_argument("--text-key", metavar="K", help="text: the field or column that holds the text (default text)")
-    p.add_argument(
-        "--context-length",
-        type=int,
-        metavar="T",
-        help="text: tokens kept per document, longer ones truncated (default: a sentence-transformers model's "
-        "max_seq_length, else the model's positions, at most 2048)",
-    )
-    p.add_argument(
-        "--device-map",
-        metavar="auto",
-        help="text: spread a model too large for one GPU over every GPU this process sees (accelerate's big-model "
-        "dispatch); launch one process per node",
-    )
-    p.add_argument(
-        "--pack",
-        type=int,
-        metavar="T",
-        help="text: concatenate the documents (separated by EOS, or BOS where the model starts sequences with it) "
-        "into contexts of exactly T tokens, each starting with BOS; the last short context is dropped",
-    )
-    p.add_argument(
-        "--tokens-per-batch",
-        type=int,
-        metavar="N",
-        help="text: tokens per forward, padding included, however many documents that takes (default: --batch-size x 128)",
-    )
-    p.add_argument(
-        "--decode",
-        help=f"{' | '.join(DECODES)}: PIL in full (default), PIL at a reduced JPEG scale covering the resize, "
-        "or batched nvjpeg on the GPU",
-    )
-    p.add_argument(
-        "--exif-transpose",
-        action="store_true",
-        default=None,
-        help="rotate images as their EXIF orientation says (off by default, like torchvision's loaders)",
-    )
-    p.add_argument("--out", metavar="PATH", help="the zarr store to write (default features.zarr)")
-    p.add_argument("--batch-size", type=int, help="images per forward (default 64)")
-    p.add_argument("--num-workers", type=int, help="DataLoader workers per process")
-    p.add_argument("--image-size", type=int, metavar="S", help="crop size S (resize round(S*256/224))")
-    p.add_argument(
-        "--pool",
-        nargs="+",
-        metavar="P",
-        help=f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token), {' | '.join(TEXT_POOLS)} "
-        f"(a row per document, over its real tokens) or {MODEL_POOL} (its sentence-transformers pooling and "
-        "normalization); default none (the full map, every token); for every layer or per layer: "
-        "--pool layer3=avg layer4=none (later entries override earlier ones)",
-    )
-    p.add_argument(
-        "--layout",
-        nargs="+",
-        metavar="LAYER=L",
-        help=f"{' | '.join(Layout)} for layers whose layout --list-layers cannot tell (pooling needs it)",
-    )
-    p.add_argument("--dtype", help=f"storage dtype: {' | '.join(DTYPES)} (default float16)")
-    p.add_argument(
-        "--precision", help=f"compute precision: {' | '.join(PRECISIONS)} (default fp32 on CPU, bf16 on CUDA)"
-    )
-    p.add_argument("--chunk-size", type=int, help="samples per chunk (default: about 16 MiB per chunk)")
-    p.add_argument(
-        "--compressor",
-        help=f"{' | '.join(COMPRESSORS)} (default by the kind of store: "
-        f"{', '.join(f'{kind} {name}' for kind, name in DEFAULT_COMPRESSORS.items())}; a resumed store keeps its own)",
-    )
-    p.add_argument(
-        "--writer-threads", type=int, help="threads encoding and writing chunks (default 2 on CPU, up to 8 on GPU)"
-    )
-    p.add_argument("--channels-last", action="store_true", default=None, help="run the model in channels_last")
-    p.add_argument(
-        "--no-truncate",
-        dest="truncate",
-        action="store_false",
-        default=None,
-        help="run the whole forward even after the last requested layer",
-    )
-    p.add_argument(
-        "--skip-bad-images",
-        action="store_true",
-        default=None,
-        help="record undecodable images, or unreadable documents, as invalid (valid=False) instead of stopping",
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        metavar="SECONDS",
-        help="how long a process waits for the others at a barrier before failing (default 1800)",
-    )
-    p.add_argument("--overwrite", action="store_true", default=None, help="replace a store of a different job")
+    for dest, declared, keywords in flags():
+        flag = declared.flag or "--" + dest.replace("_", "-")
+        default = {"default": None} if dest in JobSpec.field_names() else {}
+        p.add_argument(flag, dest=dest, help=declared.help_text(), **default, **keywords)
     return p
 
 

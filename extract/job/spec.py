@@ -1,12 +1,14 @@
-"""The job: every option of a run, validated in one place (the identity that ties a store to it is the
-store's schema: ``extract.store.schema``)."""
+"""The job: every option of a run, declared once with its flag, help, reference text, default and check,
+and validated in one place (the identity that ties a store to it is the store's schema:
+``extract.store.schema``). The command line (``extract.cli.extract.build_parser``) and the flag reference
+(``extract.cli.reference``: docs/cli.md and the README's table) are derived from this declaration."""
 
 from __future__ import annotations
 
 import math
 import types
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -25,77 +27,434 @@ SEEDS = range(-(2**63), 2**64)  # what torch.manual_seed takes
 # the CPU to write and 2-3x to read; image maps after a ReLU compress 1.95x. A resumed store keeps its own.
 DEFAULT_COMPRESSORS = {"images": "zstd", "documents": "none", "tokens": "none"}
 
+# A text, or a function making it: some help lists what registries hold, known only once their sources are
+# imported; resolving it when the parser is built keeps ``import extract`` from importing every source.
+Text = str | Callable[[], str]
+# A check of one option's value (never None): raises ExtractError naming the flag it is given.
+Check = Callable[[str, Any], None]
+
+
+@dataclass(frozen=True)
+class Option:
+    """How a job option appears on the command line and in the flag reference."""
+
+    help: Text  # --help's text
+    metavar: str | None = None  # --help's name for the value (argparse's default, the dest in capitals, if None)
+    flag: str | None = None  # the flag, when it is not --field-name (a boolean on by default: --no-NAME)
+    check: Check | None = None  # run by JobSpec.validate on a value that is not None
+    reference: Text | None = None  # the reference's longer text (markdown; README links as #anchor); help if None
+
+    def help_text(self) -> str:
+        return self.help if isinstance(self.help, str) else self.help()
+
+    def reference_text(self) -> str:
+        text = self.help if self.reference is None else self.reference
+        return text if isinstance(text, str) else text()
+
+
+def option(
+    *,
+    help: Text,
+    metavar: str | None = None,
+    flag: str | None = None,
+    check: Check | None = None,
+    reference: Text | None = None,
+) -> dict[str, Option]:
+    """A ``JobSpec`` field's metadata: ``field(default=..., metadata=option(help=...))``."""
+    return {"option": Option(help=help, metavar=metavar, flag=flag, check=check, reference=reference)}
+
+
+def _at_least_one(flag: str, value: int) -> None:
+    if value < 1:
+        raise ExtractError(f"{flag} must be at least 1, got {value}")
+
+
+def _positive(flag: str, value: int) -> None:
+    if value < 1:
+        raise ExtractError(f"{flag} must be a positive integer, got {value}")
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    def check(flag: str, value: str) -> None:
+        if value not in choices:
+            raise ExtractError(f"unknown {flag} '{value}'; choose one of {', '.join(choices)}")
+
+    return check
+
+
+def _device_map(flag: str, value: str) -> None:
+    if value not in DEVICE_MAPS:
+        raise ExtractError(
+            f"unknown {flag} '{value}'; choose {', '.join(DEVICE_MAPS)} (accelerate's big-model dispatch)"
+        )
+
+
+def _workers(flag: str, value: int) -> None:
+    if value < 0:
+        raise ExtractError(f"{flag} must be 0 or more, got {value}")
+
+
+def _timeout(flag: str, value: float) -> None:
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise ExtractError(f"{flag} must be positive seconds, at most {MAX_TIMEOUT} (a week), got {value}")
+
+
+def _seed(flag: str, value: int) -> None:
+    if value not in SEEDS:
+        raise ExtractError(f"{flag} must be between -2**63 and 2**64 - 1 (torch's range), got {value}")
+
+
+def _compressor(flag: str, value: str) -> None:
+    codecs(value)  # an unknown one is refused by name
+
+
+def _check_out(flag: str, out: str) -> None:
+    """``--out`` names a store of its own: the current directory, or one above it, would be taken over
+    (and ``--overwrite`` would delete it)."""
+    if not out.strip():
+        raise ExtractError("--out is empty; name the store to write, e.g. features.zarr")
+    if is_url(out):
+        parse(out)  # a malformed store URL is one line now, before any compute
+        return
+    here, path = Path.cwd().resolve(), Path(out).resolve()
+    if path == here or path in here.parents:
+        where = "the current directory" if path == here else f"a directory above the current one ({here})"
+        raise ExtractError(f"--out {out} is {where}; name a store inside it, e.g. --out features.zarr")
+
+
+# The help texts that list a registry's entries import it when asked (see ``Text``).
+def _model_help() -> str:
+    from ..models.registry import model_kinds
+
+    return f"{model_kinds()} (default resnet50)"
+
+
+def _data_help() -> str:
+    from ..data.registry import data_kinds
+
+    return data_kinds()
+
+
+def _pool_help() -> str:
+    from ..names.pooling import MODEL_POOL, POOL_CHOICES, TEXT_POOLS
+
+    return (
+        f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token), {' | '.join(TEXT_POOLS)} "
+        f"(a row per document, over its real tokens) or {MODEL_POOL} (its sentence-transformers pooling and "
+        "normalization); default none (the full map, every token); for every layer or per layer: "
+        "--pool layer3=avg layer4=none (later entries override earlier ones)"
+    )
+
+
+def _layout_help() -> str:
+    from ..names.layout import Layout
+
+    return f"{' | '.join(Layout)} for layers whose layout --list-layers cannot tell (pooling needs it)"
+
+
+def _default_compressors() -> str:
+    return ", ".join(f"{kind} {name}" for kind, name in DEFAULT_COMPRESSORS.items())
+
 
 @dataclass
 class JobSpec:
-    model: str = "resnet50"
-    weights: str = "DEFAULT"
-    checkpoint: str | None = None
-    layers: list[str] = field(default_factory=list)
-    data: str = "synthetic:512"
-    out: str = "features.zarr"
-    batch_size: int = 64
-    num_workers: int | None = None
-    image_size: int | None = None
-    pool: str | list[str] = "none"
-    layout: list[str] | None = None
-    dtype: str = "float16"
-    precision: str | None = None
-    chunk_size: int | None = None
-    compressor: str | None = None  # None: DEFAULT_COMPRESSORS for the kind of store (``store_compressor``)
-    truncate: bool = True
-    overwrite: bool = False
-    seed: int = 0
-    channels_last: bool = False
-    writer_threads: int | None = None
-    skip_bad_images: bool = False
-    image_key: str | None = None
-    label_key: str | None = None
-    text_key: str | None = None
-    context_length: int | None = None
-    pack: int | None = None
-    device_map: str | None = None
-    tokens_per_batch: int | None = None
-    decode: str = "pil"
-    exif_transpose: bool = False
-    timeout: float = 1800.0
+    """Every option of a run. A field's name is its TOML job-file key; its ``option`` metadata is its flag
+    (``--name`` with dashes unless it says otherwise), help, reference text and check. The flag's kind
+    follows the type: a boolean is a switch, a list takes one or more values, int and float are parsed."""
+
+    model: str = field(
+        default="resnet50",
+        metadata=option(
+            help=_model_help,
+            reference="a model source (see [Model sources](#model-sources)): a `torchvision.models.get_model` "
+            "name (default `resnet50`), `timm:NAME[.TAG]`, `hf:ID_OR_DIR`, `open_clip:ARCH[:TAG_OR_FILE]`, or "
+            "`pkg.module:factory` / `path/file.py:factory`",
+        ),
+    )
+    weights: str = field(
+        default="DEFAULT",
+        metadata=option(
+            help="torchvision weights name, DEFAULT (the source's pretrained weights), or none (random init)",
+            reference="`DEFAULT` (default: the source's pretrained weights), `none` (random init seeded by "
+            "`--seed`, default 0), or a torchvision weights name (`IMAGENET1K_V2`). Offline, a download fails at "
+            "once with a one-line message that suggests `--weights none` or `--checkpoint`",
+        ),
+    )
+    checkpoint: str | None = field(
+        default=None,
+        metadata=option(
+            metavar="PATH",
+            help="state_dict file loaded with weights_only=True",
+            reference="a `state_dict` loaded with `torch.load(weights_only=True)` (a `{\"state_dict\": ...}` / "
+            "`{\"model\": ...}` wrapper and a DDP `module.` prefix are accepted); missing or unexpected keys are "
+            "an error. With a checkpoint nothing is downloaded; the named weights only choose the preprocessing",
+        ),
+    )
+    layers: list[str] = field(
+        default_factory=list,
+        metadata=option(
+            metavar="L",
+            help="module names, globs (layer*), or name:0 / name:key",
+            reference="names from `named_modules()`, globs (`layer*`, `blocks.*`: `*` stays within one dotted "
+            "segment), `name:0` / `name:key` for one element of a tuple or dict output, and for `hf:` models "
+            "`hidden_states.N` (numbered as `output_hidden_states`: 0 is the embeddings' output; negative N "
+            "counts from the end). Required, unless `--list-layers`",
+        ),
+    )
+    data: str = field(
+        default="synthetic:512",
+        metadata=option(
+            metavar="SPEC",
+            help=_data_help,
+            reference="one of the sources in [Data sources](#data-sources) (default `synthetic:512`)",
+        ),
+    )
+    out: str = field(
+        default="features.zarr",
+        metadata=option(
+            metavar="PATH",
+            check=_check_out,
+            help="the zarr store to write (default features.zarr)",
+            reference="the store (default `features.zarr`): a path, or an object-store URL",
+        ),
+    )
+    batch_size: int = field(
+        default=64,
+        metadata=option(check=_at_least_one, help="images per forward (default 64)"),
+    )
+    num_workers: int | None = field(
+        default=None,
+        metadata=option(
+            check=_workers,
+            help="DataLoader workers per process",
+            reference="DataLoader workers per process (default: CPUs / processes, at most 8)",
+        ),
+    )
+    image_size: int | None = field(
+        default=None,
+        metadata=option(
+            metavar="S",
+            check=_positive,
+            help="crop size S (resize round(S*256/224))",
+            reference="the model's input size S, changed the way its source does (torchvision: crop S, resize "
+            "round(S·256/224); timm: crop S, resize S / crop_pct; OpenCLIP: `force_image_size`)",
+        ),
+    )
+    pool: str | list[str] = field(
+        default="none",
+        metadata=option(
+            metavar="P",
+            help=_pool_help,
+            reference="`none` (default, the full map), `avg` / `max` over H,W of a map, `avg:K` adaptive "
+            "average to K×K, `cls` (token 0) / `mean` (token mean) of (B,T,D). Text models (one row per "
+            "document, over the real tokens): `mean`, `max`, `first`, `last`, or `model`, the model's own "
+            "sentence-transformers pooling and normalization (see "
+            "[Text models](#text-models-per-token-and-per-document-activations)). One value for every layer, "
+            "or per layer: `--pool cls pooler=none`, `--pool layer3=avg layer4=none` (`LAYER=P`, globs "
+            "allowed; later entries override earlier ones)",
+        ),
+    )
+    layout: list[str] | None = field(
+        default=None,
+        metadata=option(
+            metavar="LAYER=L",
+            help=_layout_help,
+            reference="the layout (`NCHW`, `NHWC`, `NLC`, `NCL`) of a layer whose layout cannot be told (see "
+            "[Layouts](#layouts)); only pooling needs it",
+        ),
+    )
+    dtype: str = field(
+        default="float16",
+        metadata=option(
+            check=_one_of(DTYPES),
+            help=f"storage dtype: {' | '.join(DTYPES)} (default float16)",
+            reference="storage `float16` (default) or `float32`",
+        ),
+    )
+    precision: str | None = field(
+        default=None,
+        metadata=option(
+            check=_one_of(PRECISIONS),
+            help=f"compute precision: {' | '.join(PRECISIONS)} (default fp32 on CPU, bf16 on CUDA)",
+            reference="compute `fp32` / `bf16` / `fp16` through autocast (default fp32 on CPU, bf16 on CUDA); "
+            "`hf:` text models load their weights in that dtype instead (no fp32 copy)",
+        ),
+    )
+    chunk_size: int | None = field(
+        default=None,
+        metadata=option(
+            check=_positive,
+            help="samples per chunk (default: about 16 MiB per chunk)",
+            reference="samples per chunk (default: a power of two giving about 16 MiB per chunk for the "
+            "largest layer, at most 1024, and small enough that every process gets work, K ≥ 4 × processes, "
+            "with at least 16 chunks from 256 samples up; a resumed store keeps its chunk size)",
+        ),
+    )
+    # None: DEFAULT_COMPRESSORS for the kind of store (``store_compressor``)
+    compressor: str | None = field(
+        default=None,
+        metadata=option(
+            check=_compressor,
+            help=lambda: f"{' | '.join(COMPRESSORS)} (default by the kind of store: {_default_compressors()}; "
+            "a resumed store keeps its own)",
+            reference="`zstd` (level 1), `blosc` (lz4, byte shuffle), `bitshuffle` (blosc lz4, bit shuffle), "
+            "`none`; every object keeps its crc32c either way. Default by the kind of store: `zstd` for "
+            "images, `none` for token and document stores (a text model's activations compress only 1.08x, "
+            "and zstd costs 2.7x the CPU to write and 2-3x to read them: "
+            "[benchmarks/RESULTS.md](benchmarks/RESULTS.md#codecs-for-activation-stores)); a resumed store "
+            "keeps the compressor it was made with",
+        ),
+    )
+    truncate: bool = field(
+        default=True,
+        metadata=option(
+            flag="--no-truncate",
+            help="run the whole forward even after the last requested layer",
+            reference="run the whole forward even after the last requested layer (the stored features are "
+            "identical either way)",
+        ),
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata=option(
+            help="replace a store of a different job",
+            reference="start the store at `--out` afresh: replace another job's store, or recompute this one "
+            "(never touches anything that is not an extract store). The old store is moved aside before it is "
+            "deleted, so an interrupted overwrite leaves the old store or nothing",
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=option(check=_seed, help="seed for random init (--weights none; default 0)"),
+    )
+    channels_last: bool = field(
+        default=False,
+        metadata=option(
+            help="run the model in channels_last",
+            reference="run the model in channels_last (faster convolutions on GPUs)",
+        ),
+    )
+    writer_threads: int | None = field(
+        default=None,
+        metadata=option(
+            check=_at_least_one,
+            help="threads encoding and writing chunks (default 2 on CPU, up to 8 on GPU)",
+            reference="threads encoding and writing chunks (default 2 on CPU; on a GPU half the process's "
+            "share of CPUs, 2 to 8)",
+        ),
+    )
+    skip_bad_images: bool = field(
+        default=False,
+        metadata=option(
+            help="record undecodable images, or unreadable documents, as invalid (valid=False) instead of stopping",
+            reference="record undecodable images, or unreadable documents, as invalid (`valid=False`, NaN "
+            "features) instead of stopping at the first one",
+        ),
+    )
+    image_key: str | None = field(
+        default=None,
+        metadata=option(
+            metavar="K",
+            help="wds: image extension; parquet/hf: image column (default: detected)",
+            reference="which member (tar shards: an extension such as `png`) or column (Parquet, Hugging Face) "
+            "holds the image (default: detected, see [Data sources](#data-sources))",
+        ),
+    )
+    label_key: str | None = field(
+        default=None,
+        metadata=option(
+            metavar="K",
+            help="wds: label extension (default cls); parquet/hf: column (label); text: field or column "
+            "(integers, or jsonl strings: class names)",
+            reference="which member (tar shards: an extension, default `cls`) or column (Parquet, Hugging Face: "
+            "default `label`) holds the label; text: a field or column of integers, or of jsonl strings "
+            "(class names)",
+        ),
+    )
+    text_key: str | None = field(
+        default=None,
+        metadata=option(metavar="K", help="text: the field or column that holds the text (default text)"),
+    )
+    context_length: int | None = field(
+        default=None,
+        metadata=option(
+            metavar="T",
+            check=_positive,
+            help="text: tokens kept per document, longer ones truncated (default: a sentence-transformers model's "
+            "max_seq_length, else the model's positions, at most 2048)",
+        ),
+    )
+    pack: int | None = field(
+        default=None,
+        metadata=option(
+            metavar="T",
+            check=_positive,
+            help="text: concatenate the documents (separated by EOS, or BOS where the model starts sequences with "
+            "it) into contexts of exactly T tokens, each starting with BOS; the last short context is dropped",
+        ),
+    )
+    device_map: str | None = field(
+        default=None,
+        metadata=option(
+            metavar="auto",
+            check=_device_map,
+            help="text: spread a model too large for one GPU over every GPU this process sees (accelerate's "
+            "big-model dispatch); launch one process per node",
+        ),
+    )
+    tokens_per_batch: int | None = field(
+        default=None,
+        metadata=option(
+            metavar="N",
+            check=_positive,
+            help="text: tokens per forward, padding included, however many documents that takes (default: "
+            "--batch-size x 128)",
+        ),
+    )
+    decode: str = field(
+        default="pil",
+        metadata=option(
+            check=_one_of(DECODES),
+            help=f"{' | '.join(DECODES)}: PIL in full (default), PIL at a reduced JPEG scale covering the resize, "
+            "or batched nvjpeg on the GPU",
+            reference="`pil` (default): PIL decodes each image in full. `draft`: a JPEG is decoded at the "
+            "smallest DCT scale (1/2, 1/4, 1/8) whose image still covers the transform's resize target, then "
+            "transformed as usual: 2-4x faster on large JPEGs, pixels slightly different (see [Data sources](#data-sources)). "
+            "`nvjpeg` (CUDA): workers only read bytes, JPEGs are decoded in batches on the GPU and resized, "
+            "cropped and normalized there; other formats (and JPEGs nvjpeg refuses) go through the CPU path",
+        ),
+    )
+    exif_transpose: bool = field(
+        default=False,
+        metadata=option(
+            help="rotate images as their EXIF orientation says (off by default, like torchvision's loaders)",
+            reference="rotate images as their EXIF orientation tag says. Off by default, as in torchvision's "
+            "and timm's loaders (the weights were trained on unrotated pixels); turn it on for phone photos "
+            "whose pixels are stored sideways",
+        ),
+    )
+    timeout: float = field(
+        default=1800.0,
+        metadata=option(
+            metavar="SECONDS",
+            check=_timeout,
+            help="how long a process waits for the others at a barrier before failing (default 1800)",
+        ),
+    )
 
     def validate(self) -> None:
-        """Reject bad values before anything is built or written."""
+        """Reject bad values before anything is built or written: the types, then each option's own check
+        (in declaration order), then what options say together."""
         check_types(self.to_dict(), "job option")
-        for name in ("batch_size", "writer_threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ExtractError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("chunk_size", "image_size", "context_length", "tokens_per_batch", "pack"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ExtractError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+        for f, declared in job_options():
+            value = getattr(self, f.name)
+            if declared.check is not None and value is not None:
+                declared.check(flag_of(f), value)
         if self.pack is not None and self.context_length is not None and self.pack != self.context_length:
             raise ExtractError(
                 f"--pack {self.pack} makes contexts of {self.pack} tokens, but --context-length is "
                 f"{self.context_length}; give one of them (--pack alone sets the context length)"
             )
-        if not (math.isfinite(self.timeout) and 0 < self.timeout <= MAX_TIMEOUT):
-            raise ExtractError(
-                f"--timeout must be positive seconds, at most {MAX_TIMEOUT} (a week), got {self.timeout}"
-            )
-        if self.seed not in SEEDS:
-            raise ExtractError(f"--seed must be between -2**63 and 2**64 - 1 (torch's range), got {self.seed}")
-        _check_out(self.out)
-        if self.num_workers is not None and self.num_workers < 0:
-            raise ExtractError(f"--num-workers must be 0 or more, got {self.num_workers}")
-        if self.compressor is not None:
-            codecs(self.compressor)  # an unknown one is refused by name
-        if self.dtype not in DTYPES:
-            raise ExtractError(f"unknown --dtype '{self.dtype}'; choose one of {', '.join(DTYPES)}")
-        if self.decode not in DECODES:
-            raise ExtractError(f"unknown --decode '{self.decode}'; choose one of {', '.join(DECODES)}")
-        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
-            raise ExtractError(
-                f"unknown --device-map '{self.device_map}'; choose {', '.join(DEVICE_MAPS)} (accelerate's big-model dispatch)"
-            )
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise ExtractError(f"unknown --precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,18 +474,20 @@ class JobSpec:
         return [f.name for f in fields(cls)]
 
 
-def _check_out(out: str) -> None:
-    """``--out`` names a store of its own: the current directory, or one above it, would be taken over
-    (and ``--overwrite`` would delete it)."""
-    if not out.strip():
-        raise ExtractError("--out is empty; name the store to write, e.g. features.zarr")
-    if is_url(out):
-        parse(out)  # a malformed store URL is one line now, before any compute
-        return
-    here, path = Path.cwd().resolve(), Path(out).resolve()
-    if path == here or path in here.parents:
-        where = "the current directory" if path == here else f"a directory above the current one ({here})"
-        raise ExtractError(f"--out {out} is {where}; name a store inside it, e.g. --out features.zarr")
+def job_options() -> list[tuple[Field[Any], Option]]:
+    """Every ``JobSpec`` field with its declaration, in field order (--help's and the reference's order)."""
+    declared = []
+    for f in fields(JobSpec):
+        if not isinstance(f.metadata.get("option"), Option):  # a field without a flag is a bug, not a choice
+            raise TypeError(f"JobSpec.{f.name} has no option(...) in its field metadata")
+        declared.append((f, f.metadata["option"]))
+    return declared
+
+
+def flag_of(f: Field[Any]) -> str:
+    """A field's flag: its own, or ``--`` and its name with dashes (the TOML key keeps the underscores)."""
+    declared: Option = f.metadata["option"]
+    return declared.flag or "--" + f.name.replace("_", "-")
 
 
 def _fits(value: Any, expected: Any) -> bool:
