@@ -11,7 +11,7 @@
 #   environment overrides what SLURM allocated, e.g. where SLURM does not export it).
 # - CPU-only partitions: --gpus-per-node=0 (or GPUS_PER_NODE=0) starts one process per CPU of
 #   --cpus-per-task (one per node without it); PROCESSES_PER_NODE=P sets P instead, each process
-#   getting cpus-per-task / P threads. Try it on this machine first: README, "SLURM".
+#   getting cpus-per-task / P threads. Try it on this machine first: docs/distributed.md, "SLURM".
 # - Time limit: --time. SIGTERM reaches every process of the job's steps --signal's lead time (120 s
 #   here) before the limit; each process finishes its current batch, writes and marks done the chunks
 #   it completed, and exits 143 (under a launcher a rank also gets the launcher's copy of the signal,

@@ -49,7 +49,7 @@ def _lines(err: str, start: str) -> list[str]:
 @pytest.mark.slow
 def test_two_ranks_give_one_error_line_and_no_launcher_traceback(tmp_path):
     """A bad --layers under 2 ranks: rank 0's line alone; ``--quiet`` drops accelerate's traceback, and
-    the launcher exits 1 for any failed rank (README: torch elastic's ChildFailedError), each rank 2."""
+    the launcher exits 1 for any failed rank (docs/distributed.md: torch elastic's ChildFailedError), each rank 2."""
     job = _launch([*PACED, "--layers", "nope", "--out", tmp_path / "bad.zarr"], "--quiet", pace=0)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 1, err[-3000:]

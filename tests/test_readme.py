@@ -1,12 +1,14 @@
-"""The README's Python examples run as written (issue 29: its S3 read-back failed on its own demo store).
+"""The Python examples of README.md and docs/*.md run as written (issue 29: the README's S3 read-back
+failed on its own demo store; issue 30: most of the README moved to docs/).
 
-Every ```python block of README.md runs here, each in a fresh namespace, in a directory holding the
-stores it reads. Those stores are made first by the README's own commands (the first indented command
-that writes each ``--out``), made small: ``--data synthetic:64 --image-size 32 --num-workers 0``, and
-tiny local text models standing in for ``hf:/models/gpt2`` and ``hf:/models/minilm`` (as many layers as
-the commands name, so their layer names stay the README's). The store on S3 goes to moto's server
-(``tests/s3.py``) in the README's bucket. A block whose first line is ``# not run by tests/test_readme.py:
-REASON`` is skipped, saying REASON; any other block that raises fails its test, naming its line.
+Every ```python block of README.md and of docs/*.md runs here, each in a fresh namespace, in a directory
+holding the stores it reads. Those stores are made first by the pages' own commands (the first indented
+command that writes each ``--out``, looked for in README.md, then in docs/*.md by name), made small:
+``--data synthetic:64 --image-size 32 --num-workers 0``, and tiny local text models standing in for
+``hf:/models/gpt2`` and ``hf:/models/minilm`` (as many layers as the commands name, so their layer names
+stay the pages'). The store on S3 goes to moto's server (``tests/s3.py``) in the pages' bucket. A block
+whose first line is ``# not run by tests/test_readme.py: REASON`` is skipped, saying REASON; any other
+block that raises fails its test, naming its page and line.
 """
 
 from __future__ import annotations
@@ -20,27 +22,31 @@ from conftest import ROOT
 from text_models import bert_tokenizer, gpt2_tokenizer, real_documents, write_jsonl
 
 README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))  # README first: its commands are the ones used
 NOT_RUN = "# not run by tests/test_readme.py:"
 S3_STORE = "s3://features/demo.zarr"
 LOCAL_STORES = ("demo.zarr", "tokens.zarr", "docs.zarr", "packed.zarr")
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    """(line of the opening fence, code) of every ```python block."""
-    blocks, lines = [], README.read_text(encoding="utf-8").splitlines()
-    start = None
-    for number, line in enumerate(lines, 1):
-        if start is None and line.strip() == "```python":
-            start = number
-        elif start is not None and line.strip() == "```":
-            blocks.append((start, "\n".join(lines[start : number - 1]) + "\n"))
-            start = None
+def python_blocks() -> list[tuple[str, int, str]]:
+    """(page, line of the opening fence, code) of every ```python block of every page."""
+    blocks = []
+    for page in PAGES:
+        lines, start = page.read_text(encoding="utf-8").splitlines(), None
+        for number, line in enumerate(lines, 1):
+            if start is None and line.strip() == "```python":
+                start = number
+            elif start is not None and line.strip() == "```":
+                blocks.append((page.relative_to(ROOT).as_posix(), start, "\n".join(lines[start : number - 1]) + "\n"))
+                start = None
+        assert start is None, f"{page.name}:{start}: a ```python block is never closed"
     return blocks
 
 
 def readme_command(out: str) -> list[str]:
-    """The arguments after ``-m extract`` of the README's first command that writes ``--out out``."""
-    text = re.sub(r"\\\n\s*", " ", README.read_text(encoding="utf-8"))  # join continued lines
+    """The arguments after ``-m extract`` of the pages' first command that writes ``--out out``."""
+    pages = (page.read_text(encoding="utf-8") for page in PAGES)
+    text = "\n".join(re.sub(r"\\\n\s*", " ", page) for page in pages)  # join continued lines
     for line in text.splitlines():
         if not line.startswith("    ") or "-m extract " not in line:
             continue
@@ -48,7 +54,7 @@ def readme_command(out: str) -> list[str]:
         args = words[words.index("extract") + 1 :]
         if "--out" in args and args[args.index("--out") + 1] == out:
             return args
-    raise AssertionError(f"README.md has no command writing --out {out}")
+    raise AssertionError(f"neither README.md nor docs/*.md has a command writing --out {out}")
 
 
 def small(args: list[str], models: dict[str, Path]) -> list[str]:
@@ -115,30 +121,32 @@ def stores(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return root, models
 
 
-def _id(block: tuple[int, str]) -> str:
-    return f"README.md:{block[0]}"
+def _id(block: tuple[str, int, str]) -> str:
+    return f"{block[0]}:{block[1]}"
 
 
 @pytest.mark.parametrize("block", python_blocks(), ids=_id)
 def test_a_readme_python_block_runs(block, stores, request, monkeypatch):
-    line, code = block
+    page, line, code = block
     first = code.lstrip().splitlines()[0]
     if first.startswith(NOT_RUN):
         pytest.skip(first.removeprefix(NOT_RUN).strip())
     root, models = stores
     if "s3://" in code:
-        assert S3_STORE in code, f"README.md:{line} reads a store on S3 that no README command makes"
+        assert S3_STORE in code, f"{page}:{line} reads a store on S3 that no command in the pages makes"
         s3 = request.getfixturevalue("s3")  # moto's server, and this process's environment pointing at it
         client = s3.server.client()
         if "features" not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
             client.create_bucket(Bucket="features")
             run_command(small(readme_command(S3_STORE), models))
     monkeypatch.chdir(root)
-    exec(compile(code, f"README.md:{line}", "exec"), {"__name__": "readme"})
+    exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "readme"})
 
 
 def test_every_block_is_found_and_few_are_not_run():
-    """The parsing above sees the README's blocks, and the list of blocks not run stays short."""
+    """The parsing above sees the pages' blocks (the README's three examples among them), and the list of
+    blocks not run stays short."""
     blocks = python_blocks()
-    not_run = [line for line, code in blocks if code.lstrip().startswith(NOT_RUN)]
-    assert len(blocks) >= 10 and len(not_run) <= 2, (len(blocks), not_run)
+    not_run = [f"{page}:{line}" for page, line, code in blocks if code.lstrip().startswith(NOT_RUN)]
+    in_readme = [line for page, line, code in blocks if page == "README.md"]
+    assert len(blocks) >= 10 and len(not_run) <= 2 and len(in_readme) >= 3, (len(blocks), not_run, in_readme)

@@ -311,7 +311,7 @@ class StoreLife:
                 error.quiet = True  # rank 0 speaks for the job
                 return
             done = store.done_flags()
-            error.chunks_written, error.num_chunks = int(done.sum()), len(done)  # the job's, as the README says
+            error.chunks_written, error.num_chunks = int(done.sum()), len(done)  # the job's, as docs/faults.md says
             error.this_run = max(0, error.chunks_written - self._done_before)
         if not self.main:
             return
