@@ -2,6 +2,8 @@
 ``exit_code``), and typed subclasses that also derive from the builtin a Python user expects (zarr's
 ``errors.py`` does the same), so that callers catch types, not message strings."""
 
+import signal
+
 
 class ExtractError(Exception):
     """Bad input or environment: the message names the culprit and the fix."""
@@ -158,3 +160,28 @@ def rebuilt(kind: type[ExtractError], message: str) -> ExtractError:
         return kind(message)
     except TypeError:  # a subclass whose constructor takes other arguments
         return ExtractError(message)
+
+
+class Interrupted(BaseException):
+    """The run stopped on a signal; finished chunks are marked done and a rerun resumes. A
+    BaseException, like KeyboardInterrupt: it may be raised inside a user's factory or a library
+    during start-up, and no ``except Exception`` there may turn a stop request into an error."""
+
+    def __init__(self, signum: int, chunks_written: int) -> None:
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.chunks_written = chunks_written  # the whole job's, once the store's owner has counted them
+        self.this_run: int | None = None  # of those, written by this run (set with the job's count)
+        self.num_chunks: int | None = None  # the job's chunks
+        self.quiet = False  # ranks other than 0 stay silent: rank 0 reports for the job
+        super().__init__(signum, chunks_written)
+
+    def progress(self) -> str:
+        """``N chunks written and marked done``, with what is left of the job once the store was counted."""
+        done = f"{self.chunks_written} chunk{'s' if self.chunks_written != 1 else ''} written and marked done"
+        if self.num_chunks is None or self.this_run is None:
+            return done
+        return f"{done}, {self.num_chunks - self.chunks_written} of {self.num_chunks} left (this run wrote {self.this_run})"
+
+    def __str__(self) -> str:
+        return f"interrupted by {signal.Signals(self.signum).name}: {self.progress()}; rerun the same command to resume"

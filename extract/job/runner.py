@@ -41,13 +41,13 @@ from ..models.hf_text import input_device
 from ..names import Kind
 from ..names.layers import LayerRef
 from ..store.chunks import Plan
+from ..store.life import StoreLife
 from ..store.schema import JobParts
 from ..store.store import FeatureStore, saved_index
 from .dist import process_state
 from .image_loop import image_loop
 from .interrupt import PeerStopped, StopRequests
 from .launcher import watch_launcher
-from .lifecycle import StoreLife
 from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, assign, default_chunk_size
 from .progress import JobProgress

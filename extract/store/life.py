@@ -22,12 +22,20 @@ from typing import Any, TypeVar
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
-from ..errors import ExtractError, LockLostError, LockUnavailable, StoreBusyError, StoreDamagedError, rebuilt
-from ..store.fence import lost_lock
-from ..store.location import from_object_storage, is_url, storage_error
-from ..store.lock import StoreLock, lock_path
-from ..store.object_lock import ObjectStoreLock
-from ..store.store import (
+from ..errors import (
+    ExtractError,
+    Interrupted,
+    LockLostError,
+    LockUnavailable,
+    StoreBusyError,
+    StoreDamagedError,
+    rebuilt,
+)
+from .fence import lost_lock
+from .location import from_object_storage, is_url, storage_error
+from .lock import StoreLock, lock_path
+from .object_lock import ObjectStoreLock
+from .store import (
     DAMAGED,
     FeatureStore,
     check_out_path,
@@ -36,7 +44,6 @@ from ..store.store import (
     real_path,
     sweep_scratch,
 )
-from .interrupt import Interrupted
 
 Log = Callable[[str], None]
 T = TypeVar("T")
