@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYER = "transformer.h.0"
 CONTEXT = 128
 PAGE_TICKS = os.sysconf("SC_CLK_TCK")
-PLAN_LINE = re.compile(r"extract: .*?(\d+) samples in (\d+) chunks? of (\d+)")
+PLAN_LINE = re.compile(r"extract: .*?(\d+) (?:samples|tokens|documents) in (\d+) chunks? of (\d+)")
 BAR_LINE = re.compile(r"extract:\s+\d+%\|.*?\|\s*(\d+)/(\d+)")
 
 STDLIB = (
