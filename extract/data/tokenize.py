@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -73,7 +74,7 @@ class Corpus:
     def invalid(self) -> int:
         return int((~self.valid).sum())
 
-    @property
+    @cached_property
     def offsets(self) -> np.ndarray:
         """(rows' documents + 1,) int64: document i is rows ``offsets[i]:offsets[i+1]``; packed, the
         documents are the contexts, T rows each."""
@@ -83,7 +84,7 @@ class Corpus:
         np.cumsum(self.lengths, out=offsets[1:])
         return offsets
 
-    @property
+    @cached_property
     def pack(self) -> PackInfo | None:
         """The packing with what it made of this corpus (contexts, dropped tail); None when not packed."""
         return None if self.packing is None else self.packing.cut(self.lengths)
@@ -210,7 +211,6 @@ class TokenRows:
     model: Encoder
     context_length: int
     corpus: Corpus
-    _offsets: np.ndarray = field(init=False, repr=False)  # ragged: each document's first row
     _filled: np.ndarray = field(init=False, repr=False)  # packed: the documents with content
     _stream_starts: np.ndarray = field(init=False, repr=False)  # packed: their first stream position
     _special_ids: np.ndarray = field(init=False, repr=False)
@@ -218,7 +218,6 @@ class TokenRows:
     def __post_init__(self) -> None:
         lengths, packing = self.corpus.lengths, self.corpus.packing
         if packing is None:
-            self._offsets = self.corpus.offsets
             return
         self._filled = np.flatnonzero(lengths > 0)
         sizes = lengths[self._filled]
@@ -245,7 +244,7 @@ class TokenRows:
         return out
 
     def _ragged(self, start: int, stop: int) -> RowSlice:
-        offsets = self._offsets
+        offsets = self.corpus.offsets
         first = int(np.searchsorted(offsets, start, side="right")) - 1
         last = int(np.searchsorted(offsets, stop - 1, side="right"))
         encoded = [e for e in self._encoded(first, last, self.context_length) if e is not None]

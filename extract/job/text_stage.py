@@ -43,10 +43,10 @@ class TextJob:
     record: dict[str, Any]  # what decides the token ids: part of the job's identity
     surveyed: bool  # tokenized now (the truncation counts are known), not read back
     rewrite: list[str] = field(default_factory=list)  # per-document arrays of the store to write again
-    offsets: np.ndarray = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.offsets = self.corpus.offsets
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.corpus.offsets
 
     @property
     def kind(self) -> Kind:
