@@ -67,7 +67,8 @@ from extract.read.tokens import TokenStream  # noqa: E402
 from extract.store import stats  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 from extract.store.schema import checked, codecs  # noqa: E402
-from extract.store.store import FeatureStore, TextArrays  # noqa: E402
+from extract.store.store import FeatureStore  # noqa: E402
+from extract.store.text_arrays import TextArrays  # noqa: E402
 
 CONTEXT = 256
 CODECS: dict[str, list[Any] | None] = {name: codecs(name) for name in ("none", "zstd", "blosc", "bitshuffle")}

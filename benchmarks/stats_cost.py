@@ -52,7 +52,7 @@ def _writes(values: np.ndarray, variant: str, chunks: int) -> dict[str, float]:
             Path(tmp) / "s.zarr", shapes={"h": (FEATURES,)}, num_samples=ROWS * chunks, chunk_size=ROWS,
             dtype="float16", compressor="zstd", attrs={"status": "running"},
         )  # fmt: skip
-        store.digests_array(), store.stats_layers()  # the existence checks, outside the timing
+        store.integrity.digests_array(), store.stats_layers()  # the existence checks, outside the timing
         if variant == "none":
             store._stats_layers = []
         labels, valid = np.zeros(ROWS, dtype=np.int64), np.ones(ROWS, dtype=bool)

@@ -60,7 +60,8 @@ from extract.job.plan import MAX_TOKEN_CHUNK_SIZE, default_chunk_size  # noqa: E
 from extract.read.features import _read, open_features  # noqa: E402
 from extract.read.tokens import TokenStream  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
-from extract.store.store import FeatureStore, TextArrays  # noqa: E402
+from extract.store.store import FeatureStore  # noqa: E402
+from extract.store.text_arrays import TextArrays  # noqa: E402
 
 LAYER = "blocks.6.hook_resid_post"
 CONTEXT = 128

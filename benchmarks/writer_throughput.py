@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 from extract.capture.staging import HostStaging  # noqa: E402
 from extract.job.plan import MAX_CHUNK_SIZE  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
-from extract.store.store import FeatureStore, dimension_names  # noqa: E402
+from extract.store.arrays import dimension_names  # noqa: E402
+from extract.store.store import FeatureStore  # noqa: E402
 from extract.store.writer import ChunkWriter  # noqa: E402
 
 
@@ -114,10 +115,10 @@ class EmptyCheckStore(FeatureStore):
     """zarr's default ``write_empty_chunks=False``: every chunk is scanned for "all fill value" (NaN)."""
 
     def array(self, name: str) -> zarr.Array:
-        if name not in self._arrays:
+        if name not in self.opened:
             array: zarr.Array = self.group[name]  # type: ignore[assignment]
-            self._arrays[name] = array.with_config({"write_empty_chunks": False})
-        return self._arrays[name]
+            self.opened[name] = array.with_config({"write_empty_chunks": False})
+        return self.opened[name]
 
 
 def run_case(case: Case, args: argparse.Namespace, data: dict[str, np.ndarray], workdir: Path) -> dict[str, float]:

@@ -11,7 +11,7 @@ from tiny_models import dict_net
 import extract
 from extract import Capture, ExtractError, StopForward
 from extract.names.layout import Layout
-from extract.store.store import dimension_names
+from extract.store.arrays import dimension_names
 
 
 class Net(nn.Module):

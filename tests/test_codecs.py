@@ -91,7 +91,7 @@ def test_a_zstd_store_resumes_with_the_default_flags_and_stays_zstd(text_job, tm
     assert cli(*text_job(out, "--compressor", "zstd"))[0] == 0
     store = FeatureStore.open(out)
     assert store.plan.num_chunks >= 3
-    store.clear_done([0, 2])  # as a kill leaves it: chunks not done, the job running
+    store.integrity.clear_done([0, 2])  # as a kill leaves it: chunks not done, the job running
     store.update_attrs(status="running")
     fingerprint = json.loads((out / "zarr.json").read_text())["attributes"]["fingerprint"]
 

@@ -47,7 +47,7 @@ def test_relative_then_absolute_is_the_same_job(cli, data, tmp_path, kind):
     assert code == 0, err
     identity = zarr.open_group("a.zarr", mode="r").attrs["identity"]
     assert identity["data"] == job_data(absolute) == f"{kind}:{(tmp_path / data[kind]).resolve()}"
-    FeatureStore.open(tmp_path / "a.zarr").clear_done([1])
+    FeatureStore.open(tmp_path / "a.zarr").integrity.clear_done([1])
     code, _, err = cli(*SMALL, "--data", absolute, "--out", "a.zarr")
     assert code == 0 and "resuming" in err and "different job" not in err, err
     code, _, err = cli(*SMALL, "--data", f"{kind}:./{data[kind]}/", "--out", "a.zarr")
@@ -76,7 +76,7 @@ def test_a_store_that_recorded_a_relative_path_still_resumes(cli, data, tmp_path
     as_made_before("old.zarr", relative, DataOptions())
     before = zarr.open_group("old.zarr", mode="r").attrs["fingerprint"]
     for spec in (relative, f"{kind}:{tmp_path / data[kind]}"):
-        FeatureStore.open(tmp_path / "old.zarr").clear_done([0])
+        FeatureStore.open(tmp_path / "old.zarr").integrity.clear_done([0])
         code, _, err = cli(*SMALL, "--data", spec, "--out", "old.zarr")
         assert code == 0 and "resuming" in err, err
         assert ("the shard index kept in old.zarr" in err) == (kind == "wds")

@@ -92,7 +92,7 @@ def test_a_shard_store_is_all_zarr(cli, tmp_path, shards, recwarn):
     out = tmp_path / "wds.zarr"
     args = [*SMALL, "--data", f"wds:{root}", "--out", out, "--chunk-size", "4"]
     assert cli(*args)[0] == 0
-    FeatureStore.open(out).clear_done([1])
+    FeatureStore.open(out).integrity.clear_done([1])
     code, _, err = cli(*args)
     assert code == 0 and "no rescan" in err, err
     assert verify(FeatureStore.open(out, mode="r")).damaged == {}
@@ -118,7 +118,7 @@ def test_a_resume_uses_the_kept_shard_index_without_rescanning(cli, tmp_path, sh
         blob = zarr.open_group(out, mode="r")["index/wds"][:].tobytes()
         shutil.rmtree(out / "index")
         (out / "wds-index.json.gz").write_bytes(blob)
-    FeatureStore.open(out).clear_done([0, 2])
+    FeatureStore.open(out).integrity.clear_done([0, 2])
 
     def no_rescan(path):
         raise AssertionError(f"rescanned {path}")

@@ -224,13 +224,13 @@ def test_done_flags_listings_and_sizes_go_through_the_zarr_store_not_the_disk(tm
     )
     stores = [on_disk, FeatureStore(zarr.open_group(memory, mode="r+"), tmp_path / "nowhere.zarr")]
     for store in stores:
-        assert store.stored_chunks("done", range(3)) == {0, 1}
-        assert store.stored_chunks("features/a", range(3)) == {0, 1}
-        assert store.missing_objects() == {}
-        assert sorted(store.missing_objects([2])[2]) == ["features/a", "labels", "stats/a", "valid"]
+        assert store.integrity.stored_chunks("done", range(3)) == {0, 1}
+        assert store.integrity.stored_chunks("features/a", range(3)) == {0, 1}
+        assert store.integrity.missing_objects() == {}
+        assert sorted(store.integrity.missing_objects([2])[2]) == ["features/a", "labels", "stats/a", "valid"]
         assert store.stored_bytes() == sum(len(v) for key, v in files.items() if key.startswith("features/"))
-        store.clear_done([1])
-        assert store.stored_chunks("done", range(3)) == {0}
+        store.integrity.clear_done([1])
+        assert store.integrity.stored_chunks("done", range(3)) == {0}
         assert store.done_flags().tolist() == [True, False, False]  # an absent flag reads False
     assert not (tmp_path / "nowhere.zarr").exists()
 

@@ -794,7 +794,7 @@ def test_a_store_from_before_fencing_is_resumed_and_gets_a_writer(tmp_path, refe
     shutil.copytree(reference, out)
     group = zarr.open_group(out, mode="r+")
     group.attrs.pop("writer")
-    FeatureStore.open(out).clear_done([3])
+    FeatureStore.open(out).integrity.clear_done([3])
     code, _, err = cli(*TINY_JOB, "--out", out)
     assert code == 0 and "1 chunk written, 11 reused" in err, err
     assert_same_store(out, reference)
@@ -849,7 +849,7 @@ def test_a_store_refuses_every_write_of_another_writer(tmp_path, reference):
     writes = {
         "a chunk": lambda: stale.write_chunk(0, 0, 4, {"heads.conv": rows}, np.zeros(4), np.ones(4, dtype=bool)),
         "attributes": lambda: stale.update_attrs(status="complete"),
-        "a done flag": lambda: stale.clear_done([1]),
+        "a done flag": lambda: stale.integrity.clear_done([1]),
         "the check": stale.check_writer,
     }
     for what, write in writes.items():
@@ -917,15 +917,15 @@ def test_a_killed_run_is_recorded_as_killed_after_a_resume(tmp_path, reference):
 
 
 def test_disk_full_during_creation_is_one_line_and_leaves_nothing(tmp_path, cli, monkeypatch):
-    from extract.store.store import _Skeleton
+    from extract.store.skeleton import Skeleton
 
-    real = _Skeleton.build
+    real = Skeleton.build
 
     def full(skeleton, path, attrs):
         real(skeleton, path, attrs)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_Skeleton, "build", full)
+    monkeypatch.setattr(Skeleton, "build", full)
     out = tmp_path / "full.zarr"
     code, _, err = cli(*TINY_JOB, "--out", out)
     assert code == 2 and "No space left on device" in one_line_error(err)

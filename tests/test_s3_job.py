@@ -77,7 +77,7 @@ def test_a_resume_on_s3_redoes_only_the_chunks_not_done(where, on_disk, cli):
     assert cli(*JOB, "--out", url)[0] == 0
     from extract.store.store import FeatureStore
 
-    FeatureStore.open(url).clear_done([2, 7])
+    FeatureStore.open(url).integrity.clear_done([2, 7])
     s3.server.client().delete_object(Bucket=s3.server.bucket, Key=s3.key("resumed.zarr/labels/c/7"))
     code, _, err = cli(*JOB, "--out", url)
     assert code == 0 and "2 chunks written, 10 reused" in err, err

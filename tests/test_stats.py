@@ -17,7 +17,8 @@ from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.errors import ExtractError, StoreDamagedError
 from extract.store.stats import chunk_row, columns
-from extract.store.store import FeatureStore, _Skeleton
+from extract.store.skeleton import Skeleton
+from extract.store.store import FeatureStore
 
 TEXT_LAYERS = ["transformer.h.0", "hidden_states.3"]
 IMAGE_POOLS = ["layer4=avg", "layer3=max", "layer2=none"]  # layer2 kept whole: (128, 4, 4), no statistics
@@ -162,7 +163,7 @@ def test_resume_recomputes_the_stats_of_the_chunks_it_redoes(corpus, tokens, tmp
     shutil.copytree(tokens, out)
     store = FeatureStore.open(out)
     redo = [1, 3]
-    store.clear_done(redo)
+    store.integrity.clear_done(redo)
     before = {layer: store.array(f"stats/{layer}")[:] for layer in TEXT_LAYERS}
     for layer in TEXT_LAYERS:  # stale rows: only a recomputation makes them right again
         for k in redo:
@@ -218,7 +219,7 @@ CLEAN = "all 6 done chunks are present and match their checksums and the digests
 def test_a_store_from_before_statistics_reads_as_before(capsys, monkeypatch, tmp_path):
     """A store built as extract wrote them before statistics (no ``stats`` group, no digests columns for
     them): it verifies clean and reads as before; only ``stats`` refuses it, in one line."""
-    monkeypatch.setattr(_Skeleton, "_stats", lambda self, root, num_chunks: [])
+    monkeypatch.setattr(Skeleton, "_stats", lambda self, root, num_chunks: [])
     out = tmp_path / "old.zarr"
     assert extract_main(image_job(out)) == 0
     monkeypatch.undo()  # read with today's code

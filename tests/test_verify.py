@@ -194,7 +194,7 @@ def test_every_done_object_deleted_is_damage(capsys, tmp_path, stores, copy):
 
 def partial(out: Path, chunks: list[int]) -> None:
     """``out`` as if ``chunks`` had never been written: no done, digests or data objects."""
-    FeatureStore.open(out).clear_done(chunks)
+    FeatureStore.open(out).integrity.clear_done(chunks)
     for array in ("features/heads.conv", "features/fc", "labels", "valid"):
         for k in chunks:
             object_path(out, array, k).unlink()

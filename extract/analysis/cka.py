@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ import torch
 from ..errors import ExtractError
 from ..read.features import Features
 from ..store import objects
-from ..store.location import LocationError, from_object_storage, is_url, one_line, open_store
+from ..store.location import LocationError, from_object_storage, is_url, one_line, open_store, parse
 from .samples import (
     UnusableLayerError,
     default_pool,
@@ -279,10 +278,11 @@ def parse_target(text: str) -> tuple[str, list[str] | None]:
 
 def _is_store(text: str) -> bool:
     """Whether ``text`` names a directory, or a URL a prefix with objects in it (one delimited listing)."""
-    if not is_url(text):
-        return Path(text).is_dir()
     try:
-        return bool(objects.children(open_store(text, read_only=True), ""))
+        location = parse(text)
+        if location.path is not None:
+            return location.path.is_dir()
+        return bool(objects.children(open_store(location, read_only=True), ""))
     except LocationError:  # not a store URL as a whole: perhaps a prefix of it is
         return False
     except ExtractError:

@@ -18,7 +18,7 @@ from PIL import Image
 
 from ..errors import ExtractError
 from ..read.features import Features
-from ..store.store import saved_index
+from ..store.indexes import saved_index
 
 # Data sources whose keys name a sample inside shards or files (not an image file of its own).
 SOURCE_KINDS = ("wds", "parquet", "hf")

@@ -16,7 +16,8 @@ from typing import Any
 from ..errors import StoreDamagedError
 from ..store import lock, object_lock
 from ..store.location import parse
-from ..store.store import FeatureStore, real_path
+from ..store.paths import real_path
+from ..store.store import FeatureStore
 from ..store.verify import repair, verify
 from .base import command
 

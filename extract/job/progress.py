@@ -54,7 +54,7 @@ class JobProgress:
         ``done`` keys (reading the flags would decode every one, and fail on a torn one)."""
         if not self.others:
             return
-        finished = self.plan.samples_in(sorted(self.store.stored_chunks("done", self.others)))
+        finished = self.plan.samples_in(sorted(self.store.integrity.stored_chunks("done", self.others)))
         with self._lock:
             self._finished = finished
             self._show()

@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,9 +40,11 @@ from ..models.hf_text import input_device
 from ..names import Kind
 from ..names.layers import LayerRef
 from ..store.chunks import Plan
+from ..store.indexes import saved_index
 from ..store.life import StoreLife
+from ..store.location import Location
 from ..store.schema import JobParts
-from ..store.store import FeatureStore, saved_index
+from ..store.store import FeatureStore
 from .dist import process_state
 from .image_loop import image_loop
 from .interrupt import PeerStopped, StopRequests
@@ -266,7 +267,7 @@ def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None
     options = _data_options(spec)
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
-    index = saved_index(spec.out, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
+    index = saved_index(spec.location, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
     recorded = identity.get("data") if identity and not spec.overwrite else None
     dataset = open_dataset(spec.data, options, ranks=state, saved_index=index, recorded=recorded)
     data = _Data(dataset)
@@ -365,13 +366,13 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         state = process_state(spec.timeout)
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
-        with StoreLife(spec.out, state, log) as life:  # --out is ours before anything is prepared
+        with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, life.existing)
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite)
             if action == "complete":
                 return _already_complete(job, log)
             _announce(job, log)
-            store = life.open(action, lambda writer: _create(job, life.out, writer))
+            store = life.open(action, lambda writer: _create(job, life.location, writer))
             pending, shares = _share(job, life, store, resume=action == "resume", log=log)
             summary = _extract(job, store, pending, shares[state.process_index], edit, stop, life.check_lock)
             life.finish(summary.record())
@@ -396,7 +397,7 @@ def _announce(job: _Job, log: Log) -> None:
         log(note)
 
 
-def _create(job: _Job, out: Path | str, writer: str) -> FeatureStore:
+def _create(job: _Job, out: Location, writer: str) -> FeatureStore:
     """The new store at ``out`` (``--out`` with links resolved), its ``writer`` the lock's token from the
     first instant (``store/fence.py``)."""
     plan, spec, text = job.plan, job.spec, job.text
@@ -421,9 +422,9 @@ def _share(
     main, plan = job.state.is_main_process, job.plan
     pending = store.pending_chunks()
     if main and resume and job.kind is not Kind.TOKENS:  # keys are written at creation: restore those of chunks to redo
-        store.write_keys(pending, job.data.dataset.keys())
+        store.creation.rewrite_keys(pending, job.data.dataset.keys())
     if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
-        store.rewrite_documents(job.text.arrays(), _keys(job.data.dataset), job.text.rewrite)
+        store.creation.rewrite(job.text.arrays(), _keys(job.data.dataset), job.text.rewrite)
     shares = assign(pending, job.state.num_processes)
     life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
     if main and resume:

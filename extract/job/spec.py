@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from ..data.decode import DECODES
 from ..errors import ExtractError
-from ..store.location import is_url, parse
+from ..store.location import Location, parse
 from ..store.schema import COMPRESSORS, codecs
 
 DTYPES = ("float16", "float32")
@@ -113,8 +113,7 @@ def _check_out(flag: str, out: str) -> None:
     (and ``--overwrite`` would delete it)."""
     if not out.strip():
         raise ExtractError("--out is empty; name the store to write, e.g. features.zarr")
-    if is_url(out):
-        parse(out)  # a malformed store URL is one line now, before any compute
+    if parse(out).remote:  # a malformed store URL is one line now, before any compute
         return
     here, path = Path.cwd().resolve(), Path(out).resolve()
     if path == here or path in here.parents:
@@ -458,6 +457,11 @@ class JobSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def location(self) -> Location:
+        """``--out`` as a ``Location``: the path, or the URL on object storage, the job's stages are given."""
+        return parse(self.out)
 
     def store_compressor(self, kind: str, existing: Mapping[str, Any] | None) -> str:
         """The compressor a store of ``kind`` gets: ``--compressor`` if given; else, when the store at

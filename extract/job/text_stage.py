@@ -20,7 +20,8 @@ from ..data.tokenize import Corpus, TokenRows, survey
 from ..errors import ExtractError
 from ..models.hf_text import input_device
 from ..names import Kind, PackInfo
-from ..store.store import FeatureStore, TextArrays
+from ..store.store import FeatureStore
+from ..store.text_arrays import TextArrays
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, StopRequests
 from .resources import default_writer_threads, warn_overflow
@@ -106,44 +107,16 @@ def prepare_text(
     the same documents by the same tokenizer at the same context length and its per-document arrays
     are the ones written at its creation (then it holds them; damaged ones are surveyed again and
     rewritten, ``TextJob.rewrite``)."""
-    positions = loaded.max_positions
-    if spec.context_length is not None and positions is not None and spec.context_length > positions:
-        raise ExtractError(
-            f"--context-length {spec.context_length} is beyond the model's {positions} positions; "
-            f"use at most {positions}"
-        )
-    if spec.pack is not None and positions is not None and spec.pack > positions:
-        raise ExtractError(f"--pack {spec.pack} is beyond the model's {positions} positions; use at most {positions}")
-    # a model whose own files set a length (sentence-transformers' max_seq_length) was used at that length
-    own = loaded.default_context_length
-    context = spec.pack or spec.context_length or own or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+    context = _context_length(spec, loaded)
     packing = _packing(spec, loaded, layers)
-    record = {
-        "tokenizer": loaded.tokenizer_record(),
-        "context_length": context,
-        **({"pack": packing.identity()} if packing is not None else {}),
-        "text_key": spec.text_key,
-        "label_key": spec.label_key,
-        "data": dataset.spec,
-        "data_listing_sha256": dataset.listing_sha256(),
-    }
+    record = _tokenization(spec, loaded, dataset, context, packing)
     budget = spec.tokens_per_batch or spec.batch_size * TOKENS_PER_SEQUENCE
     identity = (existing or {}).get("identity") or {}
     if not spec.overwrite and identity.get("tokenization") == record:
-        store = FeatureStore.open(spec.out, mode="r")
-        damaged = store.document_damage()
-        if packing is not None and not store.has("source_lengths"):
-            damaged.append("source_lengths")  # a store from before they were kept: survey again
-        if not damaged:
-            stored = store.text_arrays()
-            corpus = _stored_corpus(stored, packing)
-            return TextJob(corpus, context, layers.per_token, budget, record, surveyed=False)
+        stored, rewrite = _stored(spec, packing, notes)
+        if stored is not None:
+            return TextJob(stored, context, layers.per_token, budget, record, surveyed=False)
         corpus = survey(dataset, loaded, context, state, packing)
-        notes.append(
-            f"extract: {', '.join(damaged)} of {spec.out} are not as written at its creation; "
-            "surveyed the data again to rewrite them"
-        )
-        rewrite = [name for name in damaged if store.has(name)]
         return TextJob(corpus, context, layers.per_token, budget, record, surveyed=True, rewrite=rewrite)
     corpus = survey(dataset, loaded, context, state, packing)
     job = TextJob(corpus, context, layers.per_token, budget, record, surveyed=True)
@@ -156,6 +129,53 @@ def prepare_text(
         raise ExtractError(f"--data {spec.data} has no tokens: every document is empty; point it at text")
     notes.extend(corpus.notes(context))
     return job
+
+
+def _context_length(spec: JobSpec, loaded: Any) -> int:
+    """The tokens a document is cut to: ``--pack`` or ``--context-length``, within the model's positions;
+    else the model's own length, or its positions up to ``MAX_DEFAULT_CONTEXT``."""
+    positions = loaded.max_positions
+    if spec.context_length is not None and positions is not None and spec.context_length > positions:
+        raise ExtractError(
+            f"--context-length {spec.context_length} is beyond the model's {positions} positions; "
+            f"use at most {positions}"
+        )
+    if spec.pack is not None and positions is not None and spec.pack > positions:
+        raise ExtractError(f"--pack {spec.pack} is beyond the model's {positions} positions; use at most {positions}")
+    # a model whose own files set a length (sentence-transformers' max_seq_length) was used at that length
+    own = loaded.default_context_length
+    return spec.pack or spec.context_length or own or min(positions or MAX_DEFAULT_CONTEXT, MAX_DEFAULT_CONTEXT)
+
+
+def _tokenization(
+    spec: JobSpec, loaded: Any, dataset: TextSource, context: int, packing: PackInfo | None
+) -> dict[str, Any]:
+    """What decides the token ids (part of the job's identity): a resume with the same reuses the plan."""
+    return {
+        "tokenizer": loaded.tokenizer_record(),
+        "context_length": context,
+        **({"pack": packing.identity()} if packing is not None else {}),
+        "text_key": spec.text_key,
+        "label_key": spec.label_key,
+        "data": dataset.spec,
+        "data_listing_sha256": dataset.listing_sha256(),
+    }
+
+
+def _stored(spec: JobSpec, packing: PackInfo | None, notes: list[str]) -> tuple[Corpus | None, list[str]]:
+    """The plan's facts as the store being resumed keeps them; or, where its per-document arrays are not
+    the ones written at its creation, None and those of them to write again (said in ``notes``)."""
+    store = FeatureStore.open(spec.location, mode="r")
+    damaged = store.creation.damage()
+    if packing is not None and not store.has("source_lengths"):
+        damaged.append("source_lengths")  # a store from before they were kept: survey again
+    if not damaged:
+        return _stored_corpus(store.creation.text_arrays(), packing), []
+    notes.append(
+        f"extract: {', '.join(damaged)} of {spec.out} are not as written at its creation; "
+        "surveyed the data again to rewrite them"
+    )
+    return None, [name for name in damaged if store.has(name)]
 
 
 def _stored_corpus(stored: TextArrays, packing: PackInfo | None) -> Corpus:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from ..names import Kind
-from ..store.location import check_not_forked, is_url
+from ..store.location import check_not_forked, locate
 from .features import Features, open_features
 
 Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
@@ -42,7 +42,8 @@ class FeatureDataset(Dataset):
         allow_partial: bool = False,
         cache_chunks: int = 1,
     ) -> None:
-        self.path = path if is_url(path) else Path(path)  # a URL on object storage stays one (s3://...)
+        self.location = locate(path)  # a URL on object storage stays one (s3://...)
+        self.path = self.location.place
         self.dtype, self.allow_partial = dtype, allow_partial
         self.cache_chunks = max(1, cache_chunks)
         self.single = isinstance(layers, str)
@@ -53,7 +54,7 @@ class FeatureDataset(Dataset):
             self.pools = {layer: pool.get(layer) for layer in self.layers}
         else:
             self.pools = dict.fromkeys(self.layers, pool)
-        features = open_features(self.path, allow_partial=allow_partial)
+        features = open_features(self.location, allow_partial=allow_partial)
         for layer in self.layers:  # an unknown layer, or a pool that does not fit one (a layer pooled at
             # extraction), fails here, in the main process, not at the first item in a DataLoader worker
             pool = self.pools[layer]
@@ -89,9 +90,9 @@ class FeatureDataset(Dataset):
         return (values[self.layers[0]] if self.single else values), int(labels[row])
 
     def _read_chunk(self, chunk: int) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        check_not_forked(self.path)
+        check_not_forked(self.location)
         if self._features is None:
-            self._features = open_features(self.path, allow_partial=self.allow_partial)
+            self._features = open_features(self.location, allow_partial=self.allow_partial)
         start = chunk * self.chunk_size
         rows = slice(start, min(start + self.chunk_size, self.num_samples))
         values = {

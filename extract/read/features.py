@@ -4,12 +4,13 @@ which samples an unfinished job has written."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -22,17 +23,17 @@ from ..errors import (
     PoolMismatchError,
     PoolShapeError,
     SampleIndexError,
-    StoreDamagedError,
 )
 from ..names import Kind
 from ..names.layers import closest
 from ..names.pooling import make_pool
-from ..store import objects
 from ..store.chunks import Plan
-from ..store.location import from_object_storage, is_url, storage_error
+from ..store.integrity import decodes
+from ..store.location import Location, locate
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
-from ..store.store import FeatureStore, decodes
+from ..store.store import FeatureStore
+from .checked import NOT_DONE, CheckedReads, first_line
 from .text_view import TextView
 
 Index = slice | Sequence[int] | np.ndarray | None
@@ -41,10 +42,6 @@ T = TypeVar("T")
 # Rows are decoded this many bytes at a time: zarr decodes the chunks of one read concurrently, and
 # a bounded block keeps pooling and dtype conversion from ever holding a whole unpooled layer.
 READ_BLOCK_BYTES = 64 * 2**20
-
-# A chunk of a complete store whose done flag is False: every chunk was marked done before the status said
-# complete, so the flag's object was lost or torn since (``verify`` says the same, and --repair clears it).
-NOT_DONE = "is not marked done in a complete store (its done flag was lost or fails its check)"
 
 
 @dataclass(frozen=True)
@@ -122,16 +119,6 @@ def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iter
             yield block
 
 
-def _first_line(error: Exception) -> str:
-    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-
-
-def _object_rows(array: zarr.Array, chunk: int) -> tuple[int, int]:
-    """The rows [start, stop) of a 1-D ``array``'s object ``chunk``."""
-    start = chunk * array.chunks[0]
-    return start, min(start + array.chunks[0], array.shape[0])
-
-
 def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
     """An uninitialized tensor in numpy's memory: numpy asks for transparent huge pages for large
     arrays, so filling it page-faults far less than filling a ``torch.empty`` (2x faster here)."""
@@ -172,6 +159,86 @@ def _pool_mismatch(
     return PoolMismatchError(f"{call} needs {error.wanted} outputs, but {layer} is stored as {stored}; use {instead}")
 
 
+def _touched(rows: _Rows, chunk_size: int) -> Iterable[int]:
+    """The chunks that hold the rows ``rows`` picks."""
+    if rows.sorted_rows is None:
+        return range(rows.start // chunk_size, -(-rows.stop // chunk_size))
+    return np.unique(rows.sorted_rows // chunk_size).tolist()
+
+
+def _blocks(rows: _Rows, array: zarr.Array, chunk: int) -> Iterator[tuple[slice | np.ndarray, int]]:
+    """(selection, output position) per block of a few whole chunks of ``chunk`` rows: one zarr call
+    each, whose chunks zarr fetches and decodes concurrently; never element by element."""
+    row_bytes = math.prod(array.shape[1:]) * array.dtype.itemsize
+    span = chunk * max(1, READ_BLOCK_BYTES // max(1, row_bytes * chunk))  # rows per block, chunk-aligned
+    if rows.sorted_rows is None:
+        if rows.stop <= rows.start:
+            return
+        for block_start in range(rows.start - rows.start % span, rows.stop, span):
+            first = max(block_start, rows.start)
+            yield slice(first, min(block_start + span, rows.stop)), first - rows.start
+        return
+    wanted = rows.sorted_rows
+    if wanted.size == 0:
+        return
+    edges = np.arange(wanted[0] - wanted[0] % span, wanted[-1] + 1 + span, span)  # an edge past the last row
+    bounds = np.searchsorted(wanted, edges)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        if lo == hi:
+            continue
+        picked = wanted[lo:hi]
+        contiguous = picked[-1] - picked[0] + 1 == len(picked)
+        yield (slice(int(picked[0]), int(picked[-1]) + 1) if contiguous else picked), int(lo)
+
+
+def _load_into(
+    array: zarr.Array, rows: _Rows, reduce: Any, out: torch.Tensor, blocks: list, as_torch: bool
+) -> np.ndarray | torch.Tensor:
+    """``blocks`` of ``array`` into ``out``, each reduced by ``reduce`` (None: as stored), in the caller's order."""
+    if reduce is None and out.numpy().dtype == array.dtype:
+        # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
+        target = out.numpy()
+        for selection, at in blocks:
+            _read(array, selection, target[at:])
+    else:
+        compute_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+        for (_, at), block in zip(blocks, _prefetched(array, [selection for selection, _ in blocks]), strict=True):
+            values = torch.from_numpy(block)
+            if reduce is not None:
+                values = reduce(values.to(compute_dtype))
+            out[at : at + len(values)] = values
+    if rows.inverse is not None:
+        out = out[torch.from_numpy(rows.inverse)]
+    return out if as_torch else out.numpy()
+
+
+def _reduced_shape(
+    layer: str, shape: tuple[int, ...], reduce: Any, pool: str | None, pooled: str | None, call: str | None = None
+) -> tuple[int, ...]:
+    """One sample of ``layer`` (stored as ``shape``, pooled with ``pooled`` at extraction) as ``reduce``
+    (``pool``'s) leaves it; a ``PoolMismatchError`` naming ``call`` where it does not fit."""
+    if reduce is None:
+        return shape
+    try:
+        return tuple(reduce(torch.zeros((1, *shape)))[0].shape)
+    except PoolShapeError as e:
+        raise _pool_mismatch(layer, pool, shape, e, pooled, call) from None
+
+
+class _TextAlias(Generic[T]):
+    """A text accessor's old name on ``Features``: the accessor of the same name of ``features.text``
+    (``TextView``), so that both spellings are one implementation, with its documentation."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"``features.text.{name}`` (``TextView.{name}``): {getattr(TextView, name).__doc__}"
+
+    def __get__(self, features: Features | None, owner: type | None = None) -> T:
+        if features is None:
+            return self  # type: ignore[return-value] - the class's attribute: the alias itself
+        return getattr(features.text, self.name)
+
+
 @dataclass
 class Features:
     """An extract store opened for reading (see ``open_features``).
@@ -179,14 +246,29 @@ class Features:
     ``layers``, ``shapes`` (per-sample feature shape) and ``dtypes`` describe the stored layers;
     ``labels`` is (N,) int64 with -1 where the dataset had none; ``attrs`` is the job's metadata;
     ``present`` marks the samples written so far (all of them when ``complete``), ``valid`` those of
-    them whose image could be read. A text store's token-level accessors (offsets, token ids, documents,
-    packing) are ``text``, a ``TextView``; their old names here are the view's.
+    them whose image could be read. ``kind`` is ``images``, ``documents`` (text, one pooled row per
+    document) or ``tokens`` (one row per token); ``num_samples`` rows in ``num_chunks`` chunks of
+    ``chunk_size``. A text store's token-level accessors (offsets, token ids, documents, packing) are
+    ``text``, a ``TextView``; their old names here are the view's.
     """
 
     path: Path | str  # a URL for a store on object storage
     store: FeatureStore = field(repr=False)
-    # per array written whole at creation: whether all its objects are stored (one listing, at its first read)
-    _whole_objects: dict[str, bool] = field(default_factory=dict, init=False, repr=False)
+    # the store's geometry and status, read once when it is opened (opening checked them)
+    num_samples: int = field(init=False, repr=False, compare=False)
+    chunk_size: int = field(init=False, repr=False, compare=False)
+    num_chunks: int = field(init=False, repr=False, compare=False)
+    complete: bool = field(init=False, repr=False, compare=False)
+    kind: Kind = field(init=False, repr=False, compare=False)
+    _reads: CheckedReads = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        attrs = self.attrs
+        self.num_samples, self.chunk_size = int(attrs["num_samples"]), int(attrs["chunk_size"])
+        self.num_chunks = Plan(self.num_samples, self.chunk_size).num_chunks
+        self.complete = attrs.get("status") == "complete"
+        self.kind = Kind.of(attrs)
+        self._reads = CheckedReads(self.store, self.path, self.complete)
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -204,34 +286,13 @@ class Features:
     def dtypes(self) -> dict[str, np.dtype]:
         return {layer: np.dtype(self.array(layer).dtype) for layer in self.layers}
 
-    @property
-    def num_samples(self) -> int:
-        return int(self.attrs["num_samples"])
-
-    @property
-    def chunk_size(self) -> int:
-        return int(self.attrs["chunk_size"])
-
-    @property
-    def num_chunks(self) -> int:
-        return Plan(self.num_samples, self.chunk_size).num_chunks
-
-    @property
-    def complete(self) -> bool:
-        return self.attrs.get("status") == "complete"
-
-    @property
-    def kind(self) -> Kind:
-        """``images``, ``documents`` (text, one pooled row per document) or ``tokens`` (one row per token)."""
-        return self.store.kind
-
     @cached_property
     def labels(self) -> np.ndarray:
         """(N,) int64, -1 where the data had none; in a token store (N_docs,): labels are per document."""
         if self.kind is Kind.TOKENS:
-            return self._whole("labels")
+            return self._reads.whole("labels")
         every = range(self.num_chunks)
-        return self._checked("labels", "labels", every, lambda: self.store.array("labels")[:])
+        return self._reads.checked("labels", "labels", every, lambda: self.store.array("labels")[:])
 
     @cached_property
     def keys(self) -> np.ndarray:
@@ -241,8 +302,8 @@ class Features:
         if not self.store.has("keys"):
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind is Kind.TOKENS:
-            return self._whole("keys")
-        return self._checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
+            return self._reads.whole("keys")
+        return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
 
     @cached_property
     def text(self) -> TextView:
@@ -252,62 +313,27 @@ class Features:
                 f"{self.path} is an image store; offsets, token ids and documents belong to text stores "
                 "(kind tokens or documents): open one of those for features.text"
             )
-        return TextView(self)
+        return TextView(self, self._reads)
 
-    # The text accessors' old names, kept: each is the view's (see TextView for what it returns).
     @property
     def pack(self) -> dict[str, Any] | None:
-        return None if self.kind is Kind.IMAGES else self.text.pack  # an image store was never packed
+        """``features.text.pack``; None for an image store (never packed)."""
+        return None if self.kind is Kind.IMAGES else self.text.pack
 
-    @property
-    def offsets(self) -> np.ndarray:
-        return self.text.offsets
-
-    @property
-    def token_ids(self) -> np.ndarray:
-        return self.text.token_ids
-
-    def load_token_ids(self, tokens: slice) -> np.ndarray:
-        return self.text.load_token_ids(tokens)
-
-    @property
-    def special(self) -> np.ndarray:
-        return self.text.special
-
-    @property
-    def doc(self) -> np.ndarray:
-        return self.text.doc
-
-    @property
-    def doc_position(self) -> np.ndarray:
-        return self.text.doc_position
-
-    @property
-    def num_documents(self) -> int:
-        """``offsets``' segments: documents, but a packed store's contexts (``TextView.num_documents``)."""
-        return self.text.num_documents
-
-    @property
-    def num_contexts(self) -> int:
-        return self.text.num_contexts
-
-    @property
-    def num_source_documents(self) -> int:
-        return self.text.num_source_documents
-
-    @property
-    def token_documents(self) -> np.ndarray:
-        return self.text.token_documents
-
-    def documents_of(self, tokens: slice | np.ndarray) -> np.ndarray:
-        return self.text.documents_of(tokens)
-
-    @property
-    def token_positions(self) -> np.ndarray:
-        return self.text.token_positions
-
-    def document(self, index: int, layer: str | None = None, **load: Any) -> np.ndarray | torch.Tensor:
-        return self.text.document(index, layer, **load)
+    # The text accessors' old names, kept: each is the view's (see TextView for what it returns).
+    offsets = _TextAlias[np.ndarray]()
+    token_ids = _TextAlias[np.ndarray]()
+    load_token_ids = _TextAlias[Callable[[slice], np.ndarray]]()
+    special = _TextAlias[np.ndarray]()
+    doc = _TextAlias[np.ndarray]()
+    doc_position = _TextAlias[np.ndarray]()
+    num_documents = _TextAlias[int]()  # offsets' segments: a packed store's contexts (TextView.num_documents)
+    num_contexts = _TextAlias[int]()
+    num_source_documents = _TextAlias[int]()
+    token_documents = _TextAlias[np.ndarray]()
+    documents_of = _TextAlias[Callable[[slice | np.ndarray], np.ndarray]]()
+    token_positions = _TextAlias[np.ndarray]()
+    document = _TextAlias[Callable[..., np.ndarray | torch.Tensor]]()
 
     @property
     def classes(self) -> list[str] | None:
@@ -318,7 +344,7 @@ class Features:
     @cached_property
     def present(self) -> np.ndarray:
         """(N,) bool: the samples whose chunk is marked done; use it as an ``index`` to read only those."""
-        return np.repeat(self._done, self.chunk_size)[: self.num_samples]
+        return np.repeat(self._reads.done, self.chunk_size)[: self.num_samples]
 
     @cached_property
     def valid(self) -> np.ndarray:
@@ -326,90 +352,9 @@ class Features:
         ``--skip-bad-images`` is stored as NaN with valid False. In a token store (N_docs,): the documents
         that could be read (one that could not has no tokens)."""
         if self.kind is Kind.TOKENS:
-            return self._whole("valid")
+            return self._reads.whole("valid")
         every = range(self.num_chunks)
-        return self._checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
-
-    @cached_property
-    def _done(self) -> np.ndarray:
-        return self.store.done_flags()
-
-    @cached_property
-    def _lost(self) -> dict[int, list[str]]:
-        """Done chunks whose object is absent, per array: found once, at the first read."""
-        return self.store.missing_objects(np.flatnonzero(self._done).tolist())
-
-    def _checked(self, name: str, what: str, chunks: Iterable[int], read: Callable[[], T]) -> T:
-        """``read()``, unless one of ``chunks`` of array ``name`` is damaged: a done chunk whose object is
-        missing or fails its checksum, or, in a complete store, a chunk not marked done (every chunk was,
-        so its flag was lost or torn since, and its objects may have gone with it: they would read as
-        NaN). Then an error naming ``what`` and the chunk, instead of NaN rows or a codec trace."""
-        chunks = list(chunks)
-        complete = self.complete
-        try:
-            for k in chunks:
-                if not self._done[k]:
-                    if complete:
-                        raise self._damaged(what, k, NOT_DONE)
-                elif name in self._lost.get(k, ()):
-                    raise self._damaged(what, k, "is missing")
-            return read()
-        except ExtractError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
-            if from_object_storage(e):  # an outage past the retries: not damage
-                raise storage_error(str(self.path), e) from None
-            array = self.store.array(name)
-            bad = next(
-                (k for k in chunks if not decodes(array, *Plan(self.num_samples, self.chunk_size).bounds(k))), None
-            )
-            if bad is None:
-                raise
-            raise self._damaged(what, bad, f"fails its check ({_first_line(e)})") from None
-
-    def _whole(self, name: str, rows: slice = slice(None)) -> np.ndarray:
-        """Rows ``rows`` of ``name``, an array written whole when the store was created (a text store's
-        ``offsets``; a token store's ``labels``, ``valid`` and ``keys``), unless one of its objects fails its checksum or is missing: every object is
-        stored (write_empty_chunks), so an absent one was lost and would read as the fill value."""
-        array = self.store.array(name)
-        try:
-            values = np.asarray(array[rows])
-        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the object
-            if from_object_storage(e):  # an outage past the retries: not damage
-                raise storage_error(str(self.path), e) from None
-            bad = next((k for k in range(array.nchunks) if not decodes(array, *_object_rows(array, k))), None)
-            if bad is None:
-                raise
-            raise self._unrepairable(array, bad, f"fails its check ({_first_line(e)})") from None
-        if name not in self._whole_objects:  # zarr counts the stored objects: one listing per array
-            self._whole_objects[name] = array.nchunks_initialized == array.nchunks
-        if not self._whole_objects[name]:
-            raise self._unrepairable(array, self._absent_object(array), "is missing")
-        return values
-
-    def _absent_object(self, array: zarr.Array) -> int:
-        """The first of ``array``'s objects that is not stored (one listing; only once one is known lost)."""
-        if array.nchunks == 1:
-            return 0
-        stored = objects.listed(self.store.group.store, f"{array.path}/")
-        return next(k for k in range(array.nchunks) if self.store.chunk_key(array, k) not in stored)
-
-    def _unrepairable(self, array: zarr.Array, chunk: int, problem: str) -> StoreDamagedError:
-        # written once, at the store's creation: verify names it (by the digests recorded then), and the
-        # job's command writes it again from the data
-        start, stop = _object_rows(array, chunk)
-        return StoreDamagedError(
-            f"{self.path}: '{array.path}', object {self.store.chunk_key(array, chunk)} (rows {start}-{stop - 1}) "
-            f"{problem}; run `python -m extract.verify {self.path} --repair`, then the job's command again to "
-            "write it again from the data"
-        )
-
-    def _damaged(self, what: str, chunk: int, problem: str) -> StoreDamagedError:
-        start, stop = Plan(self.num_samples, self.chunk_size).bounds(chunk)
-        return StoreDamagedError(
-            f"{self.path}: {what}, chunk {chunk} (samples {start}-{stop - 1}) {problem}; run "
-            f"`python -m extract.verify {self.path} --repair`, then the job's command again to recompute it"
-        )
+        return self._reads.checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
 
     def __len__(self) -> int:
         return self.num_samples
@@ -445,37 +390,16 @@ class Features:
         array = self.array(layer)
         rows = _normalize(index, self.num_samples)
         reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
-        out = _empty((rows.count, *self._pooled_shape(layer, reduce, pool)), dtype or array.dtype)
-        blocks = list(self._blocks(rows, array))
-        if rows.sorted_rows is None:
-            touched: Iterable[int] = range(rows.start // self.chunk_size, -(-rows.stop // self.chunk_size))
-        else:
-            touched = np.unique(rows.sorted_rows // self.chunk_size).tolist()
-        return self._checked(
+        pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
+        shape = _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled)
+        out = _empty((rows.count, *shape), dtype or array.dtype)
+        blocks = list(_blocks(rows, array, self.chunk_size))
+        return self._reads.checked(
             f"features/{layer}",
             f"layer '{layer}'",
-            touched,
-            lambda: self._load(array, rows, reduce, out, blocks, as_torch),
+            _touched(rows, self.chunk_size),
+            lambda: _load_into(array, rows, reduce, out, blocks, as_torch),
         )
-
-    def _load(
-        self, array: zarr.Array, rows: _Rows, reduce: Any, out: torch.Tensor, blocks: list, as_torch: bool
-    ) -> np.ndarray | torch.Tensor:
-        if reduce is None and out.numpy().dtype == array.dtype:
-            # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
-            target = out.numpy()
-            for selection, at in blocks:
-                _read(array, selection, target[at:])
-        else:
-            compute_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-            for (_, at), block in zip(blocks, _prefetched(array, [selection for selection, _ in blocks]), strict=True):
-                values = torch.from_numpy(block)
-                if reduce is not None:
-                    values = reduce(values.to(compute_dtype))
-                out[at : at + len(values)] = values
-        if rows.inverse is not None:
-            out = out[torch.from_numpy(rows.inverse)]
-        return out if as_torch else out.numpy()
 
     def stats(self, layer: str) -> dict[str, Any]:
         """Statistics of ``layer`` over the valid rows of every done chunk, merged from the rows the writer
@@ -497,12 +421,12 @@ class Features:
                 f"{self.path}: layer '{layer}' is stored as ({shape}) per row and statistics are kept for 1-D rows "
                 "only; extract it with --pool to have them, or compute them from load()"
             )
-        name = f"{STATS}/{layer}"
-        if self.complete and not self._done.all():  # statistics merged over fewer chunks would look whole
-            raise self._damaged(f"statistics of layer '{layer}'", int(np.argmin(self._done)), NOT_DONE)
-        done = np.flatnonzero(self._done).tolist()
-        if lost := sorted(set(done) - self.store.stored_chunks(name, done)):  # one listing of this array
-            raise self._damaged(f"statistics of layer '{layer}'", lost[0], "are missing")
+        name, reads, what = f"{STATS}/{layer}", self._reads, f"statistics of layer '{layer}'"
+        if self.complete and not reads.done.all():  # statistics merged over fewer chunks would look whole
+            raise reads.damaged(what, int(np.argmin(reads.done)), NOT_DONE)
+        done = np.flatnonzero(reads.done).tolist()
+        if lost := sorted(set(done) - self.store.integrity.stored_chunks(name, done)):  # one listing of this array
+            raise reads.damaged(what, lost[0], "are missing")
         rows = self.store.array(name)
         try:
             recorded = rows.get_orthogonal_selection((np.asarray(done, dtype=np.int64), slice(None)))
@@ -510,7 +434,7 @@ class Features:
             bad = next((k for k in done if not decodes(rows, k, k + 1)), None)
             if bad is None:
                 raise
-            raise self._damaged(f"statistics of layer '{layer}'", bad, f"fail their check ({_first_line(e)})") from None
+            raise reads.damaged(what, bad, f"fail their check ({first_line(e)})") from None
         return merge_stats(recorded, rows.attrs["columns"], self.shapes[layer])
 
     def layout(self, layer: str) -> str | None:
@@ -529,17 +453,8 @@ class Features:
         is a ``PoolMismatchError`` now, naming ``call`` (default: that ``load``)."""
         self.array(layer)  # an unknown layer: LayerNotFoundError with the valid names
         reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
-        return self._pooled_shape(layer, reduce, pool, call)
-
-    def _pooled_shape(self, layer: str, reduce: Any, pool: str | None, call: str | None = None) -> tuple[int, ...]:
-        shape = self.shapes[layer]
-        if reduce is None:
-            return shape
-        try:
-            return tuple(reduce(torch.zeros((1, *shape)))[0].shape)
-        except PoolShapeError as e:
-            pooled = (self.attrs.get("pools") or {}).get(layer)
-            raise _pool_mismatch(layer, pool, shape, e, pooled, call) from None
+        pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
+        return _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled, call)
 
     def load_labels(self, index: Index = None) -> np.ndarray:
         """(n,) int64 labels of the samples ``index`` picks, read now (``labels`` is read once and kept:
@@ -553,38 +468,10 @@ class Features:
             chosen = labels[picked.sorted_rows]
             return chosen[picked.inverse] if picked.inverse is not None else chosen
         rows = _normalize(index, self.num_samples)
-        if rows.sorted_rows is None:
-            selection: slice | np.ndarray = slice(rows.start, rows.stop)
-            touched: Iterable[int] = range(rows.start // self.chunk_size, -(-rows.stop // self.chunk_size))
-        else:
-            selection, touched = rows.sorted_rows, np.unique(rows.sorted_rows // self.chunk_size).tolist()
-        labels = self._checked("labels", "labels", touched, lambda: self.store.array("labels")[selection])
+        selection = slice(rows.start, rows.stop) if rows.sorted_rows is None else rows.sorted_rows
+        touched = _touched(rows, self.chunk_size)
+        labels = self._reads.checked("labels", "labels", touched, lambda: self.store.array("labels")[selection])
         return labels[rows.inverse] if rows.inverse is not None else labels
-
-    def _blocks(self, rows: _Rows, array: zarr.Array) -> Iterator[tuple[slice | np.ndarray, int]]:
-        """(selection, output position) per block of a few whole chunks: one zarr call each, whose
-        chunks zarr fetches and decodes concurrently; never element by element."""
-        chunk = self.chunk_size
-        row_bytes = math.prod(array.shape[1:]) * array.dtype.itemsize
-        span = chunk * max(1, READ_BLOCK_BYTES // max(1, row_bytes * chunk))  # rows per block, chunk-aligned
-        if rows.sorted_rows is None:
-            if rows.stop <= rows.start:
-                return
-            for block_start in range(rows.start - rows.start % span, rows.stop, span):
-                first = max(block_start, rows.start)
-                yield slice(first, min(block_start + span, rows.stop)), first - rows.start
-            return
-        wanted = rows.sorted_rows
-        if wanted.size == 0:
-            return
-        edges = np.arange(wanted[0] - wanted[0] % span, wanted[-1] + 1 + span, span)  # an edge past the last row
-        bounds = np.searchsorted(wanted, edges)
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            if lo == hi:
-                continue
-            picked = wanted[lo:hi]
-            contiguous = picked[-1] - picked[0] + 1 == len(picked)
-            yield (slice(int(picked[0]), int(picked[-1]) + 1) if contiguous else picked), int(lo)
 
     def __repr__(self) -> str:
         layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
@@ -603,20 +490,21 @@ class Features:
         return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
 
 
-def open_features(path: str | Path, *, allow_partial: bool = False) -> Features:
-    """Open the store at ``path`` for reading.
+def open_features(path: str | os.PathLike[str] | Location, *, allow_partial: bool = False) -> Features:
+    """Open the store at ``path`` (a path, a URL on object storage such as ``s3://...``, or a
+    ``Location``) for reading.
 
     A store whose job has not finished (status "running": still running, or interrupted) is refused
     unless ``allow_partial=True``; then ``features.present`` tells which samples were written, and
     the others read as NaN (labels -1).
     """
-    path = path if is_url(path) else Path(path)  # a URL on object storage stays one (s3://...)
-    store = FeatureStore.open(path, mode="r")
-    features = Features(path, store)
+    location = locate(path)
+    store = FeatureStore.open(location, mode="r")
+    features = Features(location.place, store)
     if not features.complete and not allow_partial:
         done = int(store.done_flags().sum())
         raise ExtractError(
-            f"{path} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
+            f"{location} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
             "chunks written): rerun the same extract command to finish it, or open it with "
             "allow_partial=True and read features.present"
         )

@@ -13,6 +13,7 @@ from ..errors import ExtractError, SampleIndexError
 from ..names import Kind
 
 if TYPE_CHECKING:  # the view is made by Features, which imports this module
+    from .checked import CheckedReads
     from .features import Features
 
 
@@ -24,8 +25,9 @@ class TextView:
     document store they, like ``offsets`` everywhere, were written whole at the store's creation.
     """
 
-    def __init__(self, features: Features) -> None:
+    def __init__(self, features: Features, reads: CheckedReads) -> None:
         self.features = features
+        self.reads = reads  # the features' checked reads, which name a damaged chunk or object
 
     @property
     def pack(self) -> dict[str, Any] | None:
@@ -38,7 +40,7 @@ class TextView:
     @cached_property
     def offsets(self) -> np.ndarray:
         """(N_docs + 1,) int64: document i is tokens ``offsets[i]:offsets[i+1]`` (its rows, in a token store)."""
-        return self.features._whole("offsets")
+        return self.reads.whole("offsets")
 
     @cached_property
     def token_ids(self) -> np.ndarray:
@@ -53,11 +55,11 @@ class TextView:
         array = features.store.array("token_ids")
         picked = slice(*tokens.indices(array.shape[0]))
         if features.kind is not Kind.TOKENS:  # a document store written before they were left out
-            return features._whole("token_ids", picked)
+            return self.reads.whole("token_ids", picked)
         rows = range(array.shape[0])[picked]
         first, last = sorted((rows[0], rows[-1])) if rows else (0, -1)
         touched = range(first // features.chunk_size, last // features.chunk_size + 1)
-        return features._checked("token_ids", "token ids", touched, lambda: np.asarray(array[picked]))
+        return self.reads.checked("token_ids", "token ids", touched, lambda: np.asarray(array[picked]))
 
     @cached_property
     def special(self) -> np.ndarray:
@@ -138,9 +140,9 @@ class TextView:
         features = self.features
         self._has_token_rows(name)
         if features.kind is not Kind.TOKENS:  # a document store written before they were left out
-            return features._whole(name)
+            return self.reads.whole(name)
         array = features.store.array(name)
-        return features._checked(name, what, range(features.num_chunks), lambda: np.asarray(array[:]))
+        return self.reads.checked(name, what, range(features.num_chunks), lambda: np.asarray(array[:]))
 
     def _has_token_rows(self, name: str) -> None:
         """A document store keeps each document's token count (``offsets``), not its tokens' ``name``."""

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import ExcludeRuleError, ExtractError
 from ..names import Kind
 from ..store.chunks import Plan
-from ..store.location import check_not_forked
+from ..store.location import check_not_forked, locate
 from .dataset import _rank_and_world_size
 from .features import Features, _read, open_features
 
@@ -164,7 +164,8 @@ class TokenStream(IterableDataset):
         self.dtype = _torch_dtype(dtype)
         self.rules = _parse_rules(exclude)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
-        features = open_features(store)
+        self.location = locate(store)  # parsed once: every process that iterates opens it
+        features = open_features(self.location)
         if features.kind is not Kind.TOKENS:
             raise ExtractError(
                 f"{features.path} is not a token store (kind '{features.kind}'); TokenStream reads token "
@@ -190,9 +191,9 @@ class TokenStream(IterableDataset):
         self.epoch = epoch
 
     def _open(self) -> Features:
-        check_not_forked(self.path)
+        check_not_forked(self.location)
         if self._features is None:
-            self._features = open_features(self.path)
+            self._features = open_features(self.location)
         return self._features
 
     def _bounds(self, chunk: int) -> tuple[int, int]:
@@ -209,7 +210,7 @@ class TokenStream(IterableDataset):
         keep = np.ones(stop - start, dtype=bool)
         if self.rules.special:
             special = features.store.array("special")
-            flags = features._checked("special", "special tokens", [chunk], lambda: special[start:stop])
+            flags = features._reads.checked("special", "special tokens", [chunk], lambda: special[start:stop])
             keep &= ~np.asarray(flags, dtype=bool)
         if self.rules.first:
             offsets = features.offsets
@@ -222,7 +223,7 @@ class TokenStream(IterableDataset):
         object is an error naming it (``Features``' own check)."""
         start, stop = self._bounds(chunk)
         array = features.array(layer)
-        return features._checked(
+        return features._reads.checked(
             f"features/{layer}", f"layer '{layer}'", [chunk], lambda: _read(array, slice(start, stop), into)
         )
 
@@ -258,7 +259,7 @@ class TokenStream(IterableDataset):
         features = self._open()
         # what the threads share, made here once rather than raced for: the listing of missing objects,
         # the arrays, the offsets
-        features._lost  # noqa: B018
+        features._reads.lost  # noqa: B018
         if self.rules.special:
             features.store.array("special")
         if self.rules.first:

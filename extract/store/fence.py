@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from pathlib import Path
 
 from zarr.abc.buffer import Buffer
 from zarr.abc.store import Store
@@ -22,7 +21,7 @@ from zarr.buffer import default_buffer_prototype
 from zarr.storage import WrapperStore
 
 from ..errors import LockLostError
-from .location import is_url
+from .location import Location
 
 ROOT_METADATA = "zarr.json"
 
@@ -39,31 +38,35 @@ def writer_of(metadata: bytes | None) -> str | None:
     return writer if isinstance(writer, str) else None
 
 
-def lost_lock(store: Path | str) -> LockLostError:
-    """The error of a job that lost the lock of ``store`` (a path, or a URL on object storage). The
-    lock modules are loaded here, when it happens: only writers meet this, readers never load a lock."""
-    if is_url(store):
-        from .object_lock import lost_lock as lost
-    else:
-        from .lock import lost_lock as lost  # type: ignore[assignment]
-    return lost(store)  # type: ignore[arg-type]
+def lost_lock(location: Location) -> LockLostError:
+    """The error of a job that lost the lock of the store at ``location`` (a path, or a URL on object
+    storage). The lock modules are loaded here, when it happens: only writers meet this, readers never
+    load a lock."""
+    if location.remote:
+        from .object_lock import lost_lock as lost_object_lock
+
+        return lost_object_lock(location)
+    from .lock import lost_lock as lost_file_lock
+
+    assert location.path is not None
+    return lost_file_lock(location.path)
 
 
 class FencedStore(WrapperStore[Store]):
-    """The store at ``path`` (``store``), writable only while its ``writer`` is ``token``."""
+    """The store at ``location`` (``store``), writable only while its ``writer`` is ``token``."""
 
-    def __init__(self, store: Store, *, token: str, path: Path | str) -> None:
+    def __init__(self, store: Store, *, token: str, location: Location) -> None:
         super().__init__(store)
-        self.token, self.path = token, path
+        self.token, self.location = token, location
 
     def _with_store(self, store: Store) -> FencedStore:
-        return type(self)(store, token=self.token, path=self.path)
+        return type(self)(store, token=self.token, location=self.location)
 
     async def check(self) -> None:
         """Raise ``LockLostError`` unless the store's ``writer`` is our token."""
         metadata = await self._store.get(ROOT_METADATA, prototype=default_buffer_prototype())
         if writer_of(None if metadata is None else metadata.to_bytes()) != self.token:
-            raise lost_lock(self.path)
+            raise lost_lock(self.location)
 
     # zarr 3.1's WrapperStore does not pass these on: the base Store's would GET every object in full
     # to measure it (the job's summary would read back the whole store).

@@ -13,6 +13,7 @@ lost: then the store is another job's, and nothing of it is touched.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -32,18 +33,11 @@ from ..errors import (
     rebuilt,
 )
 from .fence import lost_lock
-from .location import from_object_storage, is_url, storage_error
+from .location import Location, from_object_storage, locate, storage_error
 from .lock import StoreLock, lock_path
 from .object_lock import ObjectStoreLock
-from .store import (
-    DAMAGED,
-    FeatureStore,
-    check_out_path,
-    check_out_url,
-    check_writable,
-    real_path,
-    sweep_scratch,
-)
+from .paths import DAMAGED, check_out_path, check_out_url, check_writable, real_path, sweep_scratch
+from .store import FeatureStore
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -51,15 +45,17 @@ T = TypeVar("T")
 
 class StoreLife:
     """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block.
-    ``life.out`` is the store's real path (``out`` with its links resolved): create and open it there.
-    ``out`` may be a URL on object storage (``s3://...``): then the lock is an object beside the store
+    ``life.location`` is the store's real place (``out`` with its links resolved): create and open it
+    there; ``life.out`` names it in messages. ``out`` may be a URL on object storage (``s3://...``): then the lock is an object beside the store
     (``store/object_lock.py``) and creation writes the root metadata last (``store/remote.py``)."""
 
-    def __init__(self, out: Path | str, state: PartialState, log: Log) -> None:
-        self.remote = is_url(out)
-        self.given: Path | str = str(out) if self.remote else Path(out)
+    def __init__(self, out: str | os.PathLike[str] | Location, state: PartialState, log: Log) -> None:
+        given = locate(out)
+        self.remote = given.remote
+        self.given: Path | str = given.place
         self.state, self.log = state, log
-        self.out: Path | str = str(out) if self.remote else real_path(Path(out))
+        self.location = given if given.path is None else Location(path=real_path(given.path))
+        self.out: Path | str = self.location.place
         self.main = state.is_main_process
         self.lock: StoreLock | ObjectStoreLock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
@@ -112,10 +108,11 @@ class StoreLife:
         return self
 
     def _claim(self) -> dict[str, Any] | None:
-        if isinstance(self.out, str):  # object storage: a conditional create makes the lock
-            check_out_url(self.out)  # a prefix of foreign objects: refused before the lock is made
-            self.lock = ObjectStoreLock(self.out).__enter__()
-            return check_out_url(self.out)  # read again, now that nobody else can change it
+        if self.location.url is not None:  # object storage: a conditional create makes the lock
+            check_out_url(self.location.url)  # a prefix of foreign objects: refused before the lock is made
+            self.lock = ObjectStoreLock(self.location).__enter__()
+            return check_out_url(self.location.url)  # read again, now that nobody else can change it
+        assert isinstance(self.out, Path)
         check_out_path(self.out)  # a regular file, a foreign directory, an unwritable parent: refused now
         lock = StoreLock(self.out)
         try:
@@ -175,12 +172,12 @@ class StoreLife:
     def _recheck(self, action: str) -> str:
         """``resume`` when done chunks lost objects (their done is cleared) or a "complete" store has
         chunks not done (its status goes back to running): the rerun computes exactly those."""
-        store = FeatureStore.open(self.out, mode="r")  # validates the metadata
-        missing = store.missing_objects()
+        store = FeatureStore.open(self.location, mode="r")  # validates the metadata
+        missing = store.integrity.missing_objects()
         pending = store.pending_chunks() if action == "complete" else []
-        documents = store.document_damage() if action == "complete" else []
+        documents = store.creation.damage() if action == "complete" else []
         if documents and not self.read_only:  # the text stage surveyed the data again to rewrite them
-            FeatureStore.open(self.out).update_attrs(status="running")
+            FeatureStore.open(self.location).update_attrs(status="running")
             if not missing and not pending:
                 return "resume"
         if not missing and not pending:
@@ -189,9 +186,9 @@ class StoreLife:
         if self.read_only:
             what = f"lost objects ({first})" if missing else f"is marked complete but chunks {pending[:5]} are not done"
             raise ExtractError(f"--out {self.out} {what} and is not writable; copy it elsewhere")
-        writable = FeatureStore.open(self.out)
+        writable = FeatureStore.open(self.location)
         if missing:
-            writable.clear_done(sorted(missing))
+            writable.integrity.clear_done(sorted(missing))
             self.log(f"extract: {len(missing)} done chunks of {self.out} lost objects ({first}); recomputing them")
         if pending:
             writable.update_attrs(status="running")
@@ -214,11 +211,11 @@ class StoreLife:
             if action == "create":
                 create(self.lock.token)
             else:
-                FeatureStore.open(self.out).claim(self.lock.token)
+                FeatureStore.open(self.location).claim(self.lock.token)
             return self.lock.token
 
         token = self._on_main(prepare)
-        self.store = FeatureStore.open(self.out, writer=token)
+        self.store = FeatureStore.open(self.location, writer=token)
         self._done_before = int(self.store.done_flags().sum())
         return self.store
 
@@ -254,7 +251,7 @@ class StoreLife:
         """Raise ``LockLostError`` on rank 0 once its heartbeat found the lock another's (cheap: a flag;
         ``afresh`` reads the lock file too). The other ranks rely on the store's fence."""
         if self.lock is not None and (self.lock.lost.is_set() or (afresh and not self.lock.held())):
-            raise lost_lock(self.out)
+            raise lost_lock(self.location)
 
     # verify cheaply, mark complete, release --------------------------------------------------------
 
@@ -268,8 +265,8 @@ class StoreLife:
             return
         if left := self.store.pending_chunks():
             raise ExtractError(f"chunks {left[:5]} of {self.out} were not written; rerun the same command")
-        if missing := self.store.missing_objects():
-            self.store.clear_done(sorted(missing))
+        if missing := self.store.integrity.missing_objects():
+            self.store.integrity.clear_done(sorted(missing))
             raise ExtractError(
                 f"{len(missing)} chunks of {self.out} lost objects right after being written (chunk "
                 f"{next(iter(missing))}); check the filesystem, then rerun the same command"
@@ -280,7 +277,7 @@ class StoreLife:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, _: object) -> None:
         try:
             if self._failed_for_a_lost_lock(error):  # said as the disk case says it; the store is not ours
-                raise lost_lock(self.out) from None
+                raise lost_lock(self.location) from None
             if error is not None and self._run_started is not None:
                 self._record_failure(error)
         finally:

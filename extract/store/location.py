@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -108,6 +110,11 @@ class Location:
         return f"{self.scheme}://{self.bucket}" + (f"/{parent}" if parent else "")
 
     @property
+    def place(self) -> Path | str:
+        """The path, or the URL: how the store is named in messages (and ``Features.path``)."""
+        return self.url if self.url is not None else self.path  # type: ignore[return-value]
+
+    @property
     def lock(self) -> str:
         """Where the store's lock is: ``<path>.lock`` or ``<url>.lock`` beside the store."""
         return f"{self.url}.lock" if self.url is not None else str(self.path) + ".lock"
@@ -120,6 +127,11 @@ def parse(text: str | os.PathLike[str]) -> Location:
     """The location ``text`` names: a local path, or a store URL checked here so that a typo is one
     line now rather than a request error later."""
     return _parse(text, store=True)
+
+
+def locate(where: str | os.PathLike[str] | Location) -> Location:
+    """``where`` as a ``Location``: parsed where a path or URL first enters, passed on as it is after."""
+    return where if isinstance(where, Location) else parse(where)
 
 
 def _parse(text: str | os.PathLike[str], *, store: bool) -> Location:
@@ -196,12 +208,16 @@ def _s3_options() -> tuple[dict[str, Any], dict[str, Any]]:
 _used_in: int | None = None  # the process whose obstore runtime is live (inherited by a fork)
 
 
-def check_not_forked(store: str | os.PathLike[str]) -> None:
-    """Raise ``ForkedAfterObjectStorageError`` when ``store`` is on object storage and this process was
+def check_not_forked(location: Location) -> None:
+    """Raise ``ForkedAfterObjectStorageError`` when ``location`` is on object storage and this process was
     forked from one that used it (a DataLoader worker started with ``fork``, Linux's default before
     Python 3.14). A path is never refused: only obstore's runtime is lost in a fork."""
-    url = str(store)
-    if is_url(url) and _used_in is not None and _used_in != os.getpid():
+    if location.url is not None:
+        _check_not_forked(location.url)
+
+
+def _check_not_forked(url: str) -> None:
+    if _used_in is not None and _used_in != os.getpid():
         raise ForkedAfterObjectStorageError(
             f"{url}: this process was forked from one that had used object storage, and obstore cannot "
             "make requests after a fork; pass multiprocessing_context='spawn' (or 'forkserver') to the DataLoader"
@@ -213,7 +229,7 @@ def object_store(url: str, *, retry_timeout: float | None = None, request_timeou
     environment, retrying transient errors (``retry_config``); ``request_timeout`` caps each try
     (obstore's default otherwise)."""
     global _used_in
-    check_not_forked(url)
+    _check_not_forked(url)
     _used_in = _used_in or os.getpid()
     try:
         from obstore.store import from_url
@@ -242,7 +258,7 @@ def open_store(text: str | os.PathLike[str] | Location, *, read_only: bool = Fal
     """The zarr store for a store argument: ``LocalStore`` for a path, ``ObjectStore`` over obstore for
     a URL. A writable one caps each request, and its retries, at a third of the lock's stale age each
     (``write_timeout``)."""
-    location = text if isinstance(text, Location) else parse(text)
+    location = locate(text)
     if location.path is not None:
         from zarr.storage import LocalStore
 
@@ -292,6 +308,17 @@ def described(error: BaseException) -> str:
 def storage_error(where: str, error: BaseException) -> ObjectStorageError:
     """obstore's ``error`` (an outage past the retries, a refused credential) as extract's, naming ``where``."""
     return ObjectStorageError(f"{where}: {described(error)}")
+
+
+@contextmanager
+def storage_errors(where: str | Location) -> Iterator[None]:
+    """Raise obstore's errors met in the block as ``ObjectStorageError``s naming ``where``; others pass."""
+    try:
+        yield
+    except Exception as e:
+        if not from_object_storage(e):
+            raise
+        raise storage_error(str(where), e) from None
 
 
 def from_object_storage(error: BaseException) -> bool:

@@ -27,8 +27,8 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from ..names import Kind
+from .arrays import members
 from .chunks import Plan
-from .location import is_url
 from .schema import fingerprint, identity_digests
 from .store import FeatureStore
 
@@ -99,21 +99,21 @@ def verify(store: FeatureStore) -> Report:
     done = store.done_flags()
     report = Report(store.path, plan.num_chunks, int(done.sum()), attrs.get("status") == "complete")
     report.problems = _attribute_problems(store, attrs) + _codec_problems(store, attrs)
-    report.documents = store.document_damage()
+    report.documents = store.creation.damage()
     report.problems += _count_problems(store, attrs, report.documents) + _status_problems(attrs, done)
-    stored_done = store.stored_chunks("done", range(plan.num_chunks))
+    stored_done = store.integrity.stored_chunks("done", range(plan.num_chunks))
     for k in sorted(stored_done - set(np.flatnonzero(done).tolist())):
         report.damaged.setdefault(k, []).append("done does not decode")
     chunks = np.flatnonzero(done).tolist()
     for k, problems in _chunk_problems(store, plan, chunks).items():
         report.damaged.setdefault(k, []).extend(problems)
-    rows = store.digests_array()
+    rows = store.integrity.digests_array()
     report.placed = rows is not None
     if rows is not None:
         for k, problems in _placement_problems(store, rows, chunks, report.damaged).items():
             report.damaged.setdefault(k, []).extend(problems)
     if report.complete:  # a complete store has every chunk of its plan done
-        recorded = store.stored_chunks(rows.path, range(plan.num_chunks)) if rows is not None else set()
+        recorded = store.integrity.stored_chunks(rows.path, range(plan.num_chunks)) if rows is not None else set()
         for k in np.flatnonzero(~done).tolist():
             if k not in stored_done:
                 lost = " (its done mark was lost: its digests were recorded)" if k in recorded else ""
@@ -136,7 +136,7 @@ def _chunk_problems(store: FeatureStore, plan: Plan, chunks: list[int]) -> dict[
     per-sample arrays' rows of the chunk, and its row of each per-chunk array (``stats/<layer>``)."""
     arrays = [(name, array, False) for name, array in store.sample_arrays()]
     arrays += [(name, array, True) for name, array in store.chunk_arrays()]
-    stored = {name: store.stored_chunks(name, chunks) for name, _, _ in arrays}  # one listing per array
+    stored = {name: store.integrity.stored_chunks(name, chunks) for name, _, _ in arrays}  # one listing per array
     work = [
         (name, array, k if per_chunk else slice(*plan.bounds(k)), k)
         for name, array, per_chunk in arrays
@@ -144,7 +144,7 @@ def _chunk_problems(store: FeatureStore, plan: Plan, chunks: list[int]) -> dict[
     ]
     found: dict[int, list[str]] = {}
     threads = min(8, os.cpu_count() or 1)  # on disk decoding is the cost; on object storage, latency
-    if is_url(store.path):
+    if store.location.remote:
         threads = max(threads, int(zarr.config.get("async.concurrency") or 1))
     with ThreadPoolExecutor(threads, thread_name_prefix="extract-verify") as pool:
         problems = pool.map(lambda item: _problem(item[1], item[2], item[3], stored[item[0]]), work)
@@ -162,7 +162,7 @@ def _placement_problems(
     present = {*dict(store.sample_arrays()), *dict(store.chunk_arrays())}
     names = [name for name in rows.attrs.get("arrays", []) if name in present]
     columns = [list(rows.attrs["arrays"]).index(name) for name in names]
-    actual = store.object_digests(chunks, names)
+    actual = store.integrity.object_digests(chunks, names)
     found: dict[int, list[str]] = {}
     for k in chunks:
         try:
@@ -179,6 +179,10 @@ def _placement_problems(
     return found
 
 
+def _array_names(store: FeatureStore) -> list[str]:
+    return [name for name, _ in members(store.group, store.path)]
+
+
 def _named(problems: list[str], name: str) -> bool:
     return any(problem.startswith(f"{name} ") for problem in problems)
 
@@ -191,7 +195,7 @@ def _attribute_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]
     if recorded is None and attrs.get("format_version", 0) >= 3:
         edited["identity_sha256"] = "is missing (the identity attributes cannot be checked)"
     elif recorded is not None:
-        now = identity_digests(attrs, store.array_names())
+        now = identity_digests(attrs, _array_names(store))
         for name in (name for name in now if now[name] != recorded.get(name)):
             edited[name] = "differs from the digest recorded at the store's creation (it was edited)"
     if "identity" in attrs and attrs.get("fingerprint") != fingerprint(attrs["identity"]):
@@ -244,7 +248,7 @@ def _codec_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]:
 
 def _unchecked(store: FeatureStore) -> list[str]:
     arrays = [*dict(store.sample_arrays()), *dict(store.chunk_arrays()), "done"]
-    arrays += [] if store.digests_array() is None else ["digests"]
+    arrays += [] if store.integrity.digests_array() is None else ["digests"]
     return [name for name in arrays if not isinstance((store.array(name).compressors or (None,))[-1], Crc32cCodec)]
 
 
@@ -254,7 +258,7 @@ def repair(store: FeatureStore, report: Report) -> Report:
     restored = []
     if any("crc32c" in problem for problem in report.problems):
         for name in _unchecked(store):
-            store.restore_checksum(name)
+            store.integrity.restore_checksum(name)
             restored.append(f"crc32c in {name}'s metadata")
     restored += _restore_attributes(store)
     counts = {
@@ -270,7 +274,7 @@ def repair(store: FeatureStore, report: Report) -> Report:
         store.update_attrs(status="complete")  # every chunk is done and checked: the store is complete
         again = verify(FeatureStore.open(store.path, mode="r+"))
         restored.append("the attribute status (complete: every chunk is done)")
-    store.clear_done(sorted(again.damaged))
+    store.integrity.clear_done(sorted(again.damaged))
     if again.documents and store.attrs.get("status") == "complete":  # the rerun writes them again
         store.update_attrs(status="running")
     again.restored, again.kept = restored, [problem.partition(" ")[0] for problem in again.problems]
@@ -286,7 +290,7 @@ def _restore_attributes(store: FeatureStore) -> list[str]:
         "fingerprint": [fingerprint(attrs["identity"])] if "identity" in attrs else [],
         "layers": [list(attrs.get("feature_shapes") or {}), list((attrs.get("identity") or {}).get("layers") or [])],
     }
-    arrays = store.array_names()
+    arrays = _array_names(store)
     for name, values in candidates.items():
         for value in values:
             if value != attrs.get(name) and identity_digests({**attrs, name: value}, arrays)[name] == recorded.get(
