@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from extract.capture.staging import HostStaging  # noqa: E402
 from extract.job.plan import MAX_CHUNK_SIZE  # noqa: E402
-from extract.store.chunks import Plan  # noqa: E402
 from extract.store.arrays import dimension_names  # noqa: E402
+from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
 from extract.store.writer import ChunkWriter  # noqa: E402
 

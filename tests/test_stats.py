@@ -16,8 +16,8 @@ from extract import open_features
 from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.errors import ExtractError, StoreDamagedError
-from extract.store.stats import chunk_row, columns
 from extract.store.skeleton import Skeleton
+from extract.store.stats import chunk_row, columns
 from extract.store.store import FeatureStore
 
 TEXT_LAYERS = ["transformer.h.0", "hidden_states.3"]

@@ -171,6 +171,39 @@ def export_saelens(
     datasets = _datasets()
     features = _open(store)
     array = features.array(layer)  # a LayerNotFoundError names the layers there are
+    dtype, hook_name = _checked_options(features, layer, array, dtype, hook_name, shard_contexts)
+    out = Path(out_dir)
+    _check_destination(out, features.path, overwrite)
+    export = _plan(features, layer, array, hook_name, dtype, shard_contexts)
+    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as e:
+        raise ExportError(f"{out}: cannot write beside it in {out.parent} ({e.strerror})") from None
+    bar = tqdm(
+        total=export.contexts, unit="ctx", desc="extract.export", disable=None if progress else True, file=sys.stderr
+    )
+    try:
+        _write_cache(datasets, staging, export, bar)
+        _replace(staging, out)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, ExtractError):
+            raise ExportError(f"{out}: writing the dataset failed ({e.strerror or e}); nothing was changed") from e
+        raise
+    finally:
+        bar.close()
+    return SAELensCache(
+        out, hook_name, export.contexts, export.context_size, export.d_in, dtype, export.shards, export.scaling_factor
+    )
+
+
+def _checked_options(
+    features: Features, layer: str, array: Any, dtype: str | None, hook_name: str | None, shard_contexts: int | None
+) -> tuple[str, str]:
+    """The column's dtype and hook name (their defaults: the store's dtype, the layer's name), refusing
+    a layer not stored as (D,) per token, a dtype arrow cannot hold and a column name that is taken."""
     if len(array.shape) != 2:
         raise ExportError(
             f"layer '{layer}' of {features.path} is stored as {list(array.shape[1:])} per token, not (D,)"
@@ -183,12 +216,61 @@ def export_saelens(
     hook_name = layer if hook_name is None else hook_name
     if not hook_name or hook_name == "token_ids":
         raise ExportError(f"hook name '{hook_name}' cannot name the activations' column (token_ids is taken)")
-    out = Path(out_dir)
-    _check_destination(out, features.path, overwrite)
+    return dtype, hook_name
 
+
+@dataclass(frozen=True)
+class _Export:
+    """What is exported: ``contexts`` of ``context_size`` tokens of ``layer`` (``d_in`` values each), as
+    column ``hook_name`` of ``dtype``, ``per_shard`` contexts per arrow file, ``per_block`` at a time."""
+
+    features: Features
+    layer: str
+    hook_name: str
+    dtype: str
+    context_size: int
+    d_in: int
+    contexts: int
+    per_shard: int
+    per_block: int
+    scaling_factor: float | None
+
+    @property
+    def shards(self) -> int:
+        return -(-self.contexts // self.per_shard)
+
+    def shard(self, index: int) -> range:
+        """The contexts of shard ``index``."""
+        return range(index * self.per_shard, min(self.contexts, (index + 1) * self.per_shard))
+
+    def schema(self) -> Any:
+        return saelens_features(self.hook_name, self.context_size, self.d_in, self.dtype)
+
+    def metadata(self) -> dict[str, Any]:
+        """``extract_export.json``: where the rows came from, and what a SAELens config needs."""
+        features = self.features
+        return {
+            "format": "saelens activation cache (CacheActivationsRunner layout)",
+            "store": str(features.path.resolve()),
+            "layer": self.layer,
+            "hook_name": self.hook_name,
+            "context_size": self.context_size,
+            "d_in": self.d_in,
+            "dtype": self.dtype,
+            "contexts": self.contexts,
+            "training_tokens": self.contexts * self.context_size,
+            "scaling_factor": self.scaling_factor,
+            "pack": features.pack,
+            "model": features.attrs.get("model"),
+        }
+
+
+def _plan(
+    features: Features, layer: str, array: Any, hook_name: str, dtype: str, shard_contexts: int | None
+) -> _Export:
+    """The store's contexts of ``layer`` cut into shards and blocks; the store must hold whole contexts."""
     context_size = int(features.pack["context_length"])
-    d_in = int(array.shape[1])
-    tokens = int(array.shape[0])
+    d_in, tokens = int(array.shape[1]), int(array.shape[0])
     if tokens % context_size:
         raise ExportError(f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it")
     contexts = tokens // context_size
@@ -197,91 +279,44 @@ def export_saelens(
     context_bytes = context_size * d_in * np.dtype(dtype).itemsize
     per_shard = shard_contexts or max(1, SHARD_BYTES // context_bytes)
     per_block = max(1, BLOCK_BYTES // context_bytes)
-    num_shards = -(-contexts // per_shard)
     try:
         scaling_factor: float | None = float(features.stats(layer)["scaling_factor"])
     except StoreDamagedError:
         raise
     except ExtractError:  # written before stores kept statistics
         scaling_factor = None
-
-    schema = saelens_features(hook_name, context_size, d_in, dtype)
-    staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging.mkdir()
-    except OSError as e:
-        raise ExportError(f"{out}: cannot write beside it in {out.parent} ({e.strerror})") from None
-    bar = tqdm(total=contexts, unit="ctx", desc="extract.export", disable=None if progress else True, file=sys.stderr)
-    try:
-        files = []
-        for shard in range(num_shards):
-            name = f"data-{shard:05d}-of-{num_shards:05d}.arrow"
-            _write_shard(
-                staging / name,
-                schema,
-                features,
-                layer,
-                hook_name,
-                dtype,
-                range(shard * per_shard, min(contexts, (shard + 1) * per_shard)),
-                context_size,
-                per_block,
-                bar,
-            )
-            files.append({"filename": name})
-        _write_dataset_files(datasets, staging, schema, files, features, layer, hook_name)
-        metadata = {
-            "format": "saelens activation cache (CacheActivationsRunner layout)",
-            "store": str(features.path.resolve()),
-            "layer": layer,
-            "hook_name": hook_name,
-            "context_size": context_size,
-            "d_in": d_in,
-            "dtype": dtype,
-            "contexts": contexts,
-            "training_tokens": contexts * context_size,
-            "scaling_factor": scaling_factor,
-            "pack": features.pack,
-            "model": features.attrs.get("model"),
-        }
-        (staging / METADATA).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
-        _replace(staging, out)
-    except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, ExtractError):
-            raise ExportError(f"{out}: writing the dataset failed ({e.strerror or e}); nothing was changed") from e
-        raise
-    finally:
-        bar.close()
-    return SAELensCache(out, hook_name, contexts, context_size, d_in, dtype, num_shards, scaling_factor)
+    return _Export(
+        features, layer, hook_name, dtype, context_size, d_in, contexts, per_shard, per_block, scaling_factor
+    )
 
 
-def _write_shard(
-    path: Path,
-    schema: Any,
-    features: Features,
-    layer: str,
-    hook_name: str,
-    dtype: str,
-    contexts: range,
-    context_size: int,
-    per_block: int,
-    bar: tqdm,
-) -> None:
+def _write_cache(datasets: Any, staging: Path, export: _Export, bar: tqdm) -> None:
+    """The whole cache into ``staging``: its shards, ``dataset_info.json`` and ``state.json``, and
+    ``extract_export.json``."""
+    schema, files = export.schema(), []
+    for shard in range(export.shards):
+        name = f"data-{shard:05d}-of-{export.shards:05d}.arrow"
+        _write_shard(staging / name, schema, export, export.shard(shard), bar)
+        files.append({"filename": name})
+    _write_dataset_files(datasets, staging, schema, files, export.features, export.layer, export.hook_name)
+    (staging / METADATA).write_text(json.dumps(export.metadata(), indent=2, default=str) + "\n")
+
+
+def _write_shard(path: Path, schema: Any, export: _Export, contexts: range, bar: tqdm) -> None:
     """One arrow file of the contexts ``contexts``, written a block of ``per_block`` contexts at a time."""
     from datasets.arrow_writer import ArrowWriter
 
+    features, context_size = export.features, export.context_size
     writer = ArrowWriter(features=schema, path=str(path))
     try:
-        for first in range(contexts.start, contexts.stop, per_block):
-            last = min(contexts.stop, first + per_block)
+        for first in range(contexts.start, contexts.stop, export.per_block):
+            last = min(contexts.stop, first + export.per_block)
             rows = slice(first * context_size, last * context_size)
-            values = np.asarray(features.load(layer, rows, dtype=dtype))
+            values = np.asarray(features.load(export.layer, rows, dtype=export.dtype))
             ids = features.load_token_ids(rows).astype(np.int32, copy=False)
             writer.write_batch(
                 {
-                    hook_name: values.reshape(last - first, context_size, -1),
+                    export.hook_name: values.reshape(last - first, context_size, -1),
                     "token_ids": ids.reshape(last - first, context_size),
                 }
             )
