@@ -46,8 +46,9 @@ T = TypeVar("T")
 class StoreLife:
     """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block.
     ``life.location`` is the store's real place (``out`` with its links resolved): create and open it
-    there; ``life.out`` names it in messages. ``out`` may be a URL on object storage (``s3://...``): then the lock is an object beside the store
-    (``store/object_lock.py``) and creation writes the root metadata last (``store/remote.py``)."""
+    there; ``life.out`` names it in messages. ``out`` may be a URL on object storage (``s3://...``):
+    then the lock is an object beside the store (``store/object_lock.py``) and creation writes the
+    root metadata last (``store/remote.py``)."""
 
     def __init__(self, out: str | os.PathLike[str] | Location, state: PartialState, log: Log) -> None:
         given = locate(out)
