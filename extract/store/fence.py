@@ -22,7 +22,6 @@ from zarr.buffer import default_buffer_prototype
 from zarr.storage import WrapperStore
 
 from ..errors import LockLostError
-from .location import is_url
 
 ROOT_METADATA = "zarr.json"
 
@@ -42,11 +41,9 @@ def writer_of(metadata: bytes | None) -> str | None:
 def lost_lock(store: Path | str) -> LockLostError:
     """The error of a job that lost the lock of ``store`` (a path, or a URL on object storage). The
     lock modules are loaded here, when it happens: only writers meet this, readers never load a lock."""
-    if is_url(store):
-        from .object_lock import lost_lock as lost
-    else:
-        from .lock import lost_lock as lost  # type: ignore[assignment]
-    return lost(store)  # type: ignore[arg-type]
+    from .locking import lost_lock as lost
+
+    return lost(store)
 
 
 class FencedStore(WrapperStore[Store]):

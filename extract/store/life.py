@@ -33,8 +33,7 @@ from ..errors import (
 )
 from .fence import lost_lock
 from .location import from_object_storage, is_url, storage_error
-from .lock import StoreLock, lock_path
-from .object_lock import ObjectStoreLock
+from .locking import Lock, lock_for, lock_name
 from .store import (
     DAMAGED,
     FeatureStore,
@@ -61,7 +60,7 @@ class StoreLife:
         self.state, self.log = state, log
         self.out: Path | str = str(out) if self.remote else real_path(Path(out))
         self.main = state.is_main_process
-        self.lock: StoreLock | ObjectStoreLock | None = None
+        self.lock: Lock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
         self.existing: dict[str, Any] | None = None
         self.store: FeatureStore | None = None
@@ -97,7 +96,7 @@ class StoreLife:
         if self.given == self.out or self.remote:
             return error
         assert isinstance(self.out, Path)
-        locked = f"; the lock is {lock_path(self.out)}" if isinstance(error, StoreBusyError) else ""
+        locked = f"; the lock is {lock_name(self.out)}" if isinstance(error, StoreBusyError) else ""
         told = str(error).replace(f"--out {self.out}", f"--out {self.given} (resolves to {self.out}{locked})", 1)
         return rebuilt(type(error), told)
 
@@ -114,10 +113,10 @@ class StoreLife:
     def _claim(self) -> dict[str, Any] | None:
         if isinstance(self.out, str):  # object storage: a conditional create makes the lock
             check_out_url(self.out)  # a prefix of foreign objects: refused before the lock is made
-            self.lock = ObjectStoreLock(self.out).__enter__()
+            self.lock = lock_for(self.out).__enter__()
             return check_out_url(self.out)  # read again, now that nobody else can change it
         check_out_path(self.out)  # a regular file, a foreign directory, an unwritable parent: refused now
-        lock = StoreLock(self.out)
+        lock = lock_for(self.out)
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.lock = lock.__enter__()

@@ -281,15 +281,9 @@ def _check_not_being_created(path: Path | str) -> None:
     """Raise ``StoreBeingCreatedError`` when a live job holds the lock of ``path``, where there is no
     store yet: the reader came while the job is creating it (or preparing to), not to a wrong path. The
     lock modules are loaded here only, for a path without a store."""
-    if is_url(path):
-        from .object_lock import live_holder, lock_url
+    from .locking import live_holder, lock_name
 
-        holder, lock = live_holder(str(path)), lock_url(str(path))
-    else:
-        from .lock import live_holder as live_file_holder
-        from .lock import lock_path
-
-        holder, lock = live_file_holder(Path(path)), str(lock_path(Path(path)))
+    holder, lock = live_holder(path), lock_name(path)
     if holder is None:
         return
     job = "one that is starting"  # its claimer has not written its record yet
