@@ -124,7 +124,12 @@ class FileRecords:
         return None if holder is None else (holder, {})
 
     def create(self, record: Record) -> Version | None:
-        return {} if _create(self.where, record) else None
+        if not _create(self.where, record):
+            return None
+        beat = self.clock()  # the heartbeat's first beat, on the lock's clock as every later one
+        with contextlib.suppress(OSError):  # the lock is ours all the same, its mtime the filesystem's
+            os.utime(self.where, (beat, beat))
+        return {}
 
     def refresh(self, record: Record, version: Version) -> Version | None:
         holder = _holder(self.where, self.clock)
