@@ -19,17 +19,8 @@ from pathlib import Path
 import pytest
 
 from extract.errors import LockLostError, StoreBusyError
-from extract.store.locking import (
-    HEARTBEAT,
-    STALE_AFTER,
-    Lock,
-    check_unlocked,
-    live_holder,
-    lock_for,
-    lock_name,
-    lost_lock,
-    process_namespace,
-)
+from extract.store.held_lock import HEARTBEAT, STALE_AFTER, process_namespace
+from extract.store.locking import Lock, check_unlocked, live_holder, lock_for, lock_name, lost_lock
 
 ELSEWHERE = {"host": "elsewhere", "pid": 4242, "started": "2026-01-01T00:00:00", "token": "theirs"}
 OTHER_NAMESPACE = "pid:[4026599999]"

@@ -22,7 +22,7 @@ another token (or none), sets ``lost`` and stops, never refreshing another's loc
 the store's ``writer``, which the store checks before every write (``fence.py``).
 
 What every lock shares (the record, staleness, the claim, the heartbeat, the messages) is in
-``locking.py``; this module is how a file keeps the record: ``FileRecords``.
+``held_lock.py``; this module is how a file keeps the record: ``FileRecords``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExtractError, LockUnavailable
-from .locking import (
+from .held_lock import (
     Clock,
     HeldLock,
     Record,
@@ -49,7 +49,7 @@ from .locking import (
     stale,
     wait_for_stop,
 )
-from .locking import process_namespace as process_namespace  # where callers have always found it
+from .held_lock import process_namespace as process_namespace  # where callers have always found it
 
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 __all__ = ["FileRecords", "LockUnavailable", "StoreLock", "lock_path", "process_namespace"]
@@ -178,6 +178,9 @@ class FileRecords:
             with contextlib.suppress(OSError):
                 if gone or self.clock() - entry.stat().st_mtime > 60:  # a young one may be mid-claim
                     entry.unlink()
+
+    def describe(self, error: BaseException) -> str:
+        return error.strerror if isinstance(error, OSError) and error.strerror else str(error)
 
     def failed_claim(self, error: Exception, deadline: float) -> None:
         if not isinstance(error, OSError):

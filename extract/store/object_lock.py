@@ -10,7 +10,7 @@ in place of ``O_EXCL`` and a hard link:
   one we wrote: another job took the lock over (we were paused or cut off past the stale age) or it
   was deleted; the holder sets ``lost`` and stops, never writing over the new holder's record.
 - **takeover**: a lock whose record's ``time`` is older than ``STALE_AFTER`` (or whose holder is a
-  dead process of this host, proven so by its PID namespace: ``locking.provably_gone``) is replaced by a conditional replace of the stale version's ETag, so of
+  dead process of this host, proven so by its PID namespace: ``held_lock.provably_gone``) is replaced by a conditional replace of the stale version's ETag, so of
   two jobs taking over one stale lock exactly one wins; the other's precondition fails, and it finds
   a live holder.
 
@@ -35,7 +35,7 @@ only after ``STALE_AFTER``.
 There are no per-claimer temporary objects to ``sweep``: a PUT is atomic, so a lock object is never
 seen half written, and a claimer killed mid-request leaves either nothing or a whole record.
 
-The claim, the heartbeat, the release and the messages are every lock's (``locking.py``); this module
+The claim, the heartbeat, the release and the messages are every lock's (``held_lock.py``); this module
 is how a bucket keeps the record: ``ObjectRecords``.
 """
 
@@ -47,8 +47,8 @@ from functools import cached_property
 from typing import Any
 
 from ..errors import ExtractError, LockUnavailable
+from .held_lock import Clock, HeldLock, Record, Version, Wait, resolved_timings, wait_for_stop
 from .location import Location, lock_object, one_line, parse
-from .locking import Clock, HeldLock, Record, Version, Wait, resolved_timings, wait_for_stop
 
 
 def _location(store: str | Location) -> Location:
@@ -172,6 +172,9 @@ class ObjectRecords:
     def sweep(self) -> None:
         """Nothing to sweep on object storage: a conditional PUT is atomic, so a killed claimer leaves no
         partial record of its own beside the lock (``FileRecords.sweep`` deletes those on disk)."""
+
+    def describe(self, error: BaseException) -> str:
+        return one_line(error)
 
     def failed_claim(self, error: Exception, deadline: float) -> None:
         _, errors = _obstore()
