@@ -18,11 +18,10 @@ import pytest
 import zarr
 from zarr.storage import LocalStore, ObjectStore
 
-import extract.store.lock as file_lock
-from extract.errors import ExtractError, LockLostError, StoreBusyError
+from extract.errors import ExtractError, StoreBusyError
 from extract.store.location import INSTALL, LocationError, ObjectStorageMissing, is_url, open_store, parse
-from extract.store.lock import process_namespace
-from extract.store.object_lock import ObjectStoreLock, check_unlocked, lock_url, lost_lock
+from extract.store.locking import lock_name
+from extract.store.object_lock import ObjectStoreLock
 
 
 @pytest.fixture(autouse=True)
@@ -47,81 +46,6 @@ def plant(s3, name="out.zarr", **fields):
     """A lock record of another job, written directly."""
     fields = {"host": "elsewhere", "pid": 4242, "started": "2026-01-01T00:00:00", "token": "theirs", **fields}
     obstore.put(lock_store(s3), f"{name}.lock", json.dumps(fields).encode())
-
-
-def test_conditional_create_refuses_a_second_job(s3):
-    url = s3.url("out.zarr")
-    with ObjectStoreLock(url) as lock:
-        assert lock.held() and not lock.lost.is_set()
-        assert record(s3)[0]["token"] == lock.token
-        with pytest.raises(StoreBusyError) as busy:
-            ObjectStoreLock(url).__enter__()
-        message = str(busy.value)
-        assert f"host {socket.gethostname()}, pid {os.getpid()}" in message and f"{url}.lock" in message
-        assert "\n" not in message
-        with pytest.raises(StoreBusyError, match="being written by another job"):
-            check_unlocked(url)
-        assert lock.held()  # the refused claim touched nothing
-    assert "out.zarr.lock" not in s3.keys()  # released
-    check_unlocked(url)
-
-
-def test_heartbeat_advances_the_record_and_keeps_the_lock(s3):
-    with ObjectStoreLock(s3.url("out.zarr")) as lock:
-        first, etag = record(s3)
-        time.sleep(0.5)
-        later, later_etag = record(s3)
-        assert later["token"] == lock.token and later["time"] > first["time"] and later_etag != etag
-        assert lock.held() and not lock.lost.is_set()
-
-
-def test_a_stale_lock_is_taken_over(s3):
-    plant(s3, time=time.time() - 3600)
-    with ObjectStoreLock(s3.url("out.zarr")) as lock:
-        assert record(s3)[0]["token"] == lock.token
-
-
-def _finished_pid() -> int:
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    return int(finished.stdout)
-
-
-def test_a_lock_of_a_dead_process_of_this_host_is_taken_over_at_once(s3):
-    plant(s3, host=socket.gethostname(), pid=_finished_pid(), **process_namespace(), time=time.time())
-    with ObjectStoreLock(s3.url("out.zarr")) as lock:
-        assert record(s3)[0]["token"] == lock.token
-
-
-@pytest.mark.skipif(not process_namespace(), reason="no /proc: no PID namespace to record")
-@pytest.mark.parametrize("whose", ["another namespace", "an older lock"])
-def test_a_lock_whose_pid_is_of_another_namespace_waits_for_its_heartbeat(s3, monkeypatch, whose):
-    """A holder of this host in another container (PID namespace), or one whose lock does not say which:
-    its pid runs nowhere here, which proves nothing; the lock is taken once its heartbeat is stale."""
-    fields = {**process_namespace(), "pid_ns": "pid:[4026599999]"} if whose == "another namespace" else {}
-    plant(s3, host=socket.gethostname(), pid=_finished_pid(), **fields, time=time.time())
-    with pytest.raises(StoreBusyError, match="being written by another job") as busy:
-        ObjectStoreLock(s3.url("out.zarr")).__enter__()
-    assert ("in another PID namespace, pid:[4026599999]" in str(busy.value)) == (whose == "another namespace")
-    assert record(s3)[0]["token"] == "theirs"
-    monkeypatch.setattr(file_lock, "clock", lambda: time.time() + 6)  # past the stale age of 5 s, unwaited
-    with ObjectStoreLock(s3.url("out.zarr")) as lock:
-        assert record(s3)[0]["token"] == lock.token
-
-
-def test_a_live_lock_of_another_host_is_not_taken(s3):
-    plant(s3, time=time.time())
-    with pytest.raises(StoreBusyError, match="host elsewhere, pid 4242"):
-        ObjectStoreLock(s3.url("out.zarr")).__enter__()
-    assert record(s3)[0]["token"] == "theirs"
-
-
-def test_a_record_that_is_not_extracts_is_judged_by_the_servers_clock(s3):
-    obstore.put(lock_store(s3), "out.zarr.lock", b"not json")
-    with pytest.raises(StoreBusyError, match="not a record of extract's"):
-        ObjectStoreLock(s3.url("out.zarr")).__enter__()
-    time.sleep(0.3)
-    with ObjectStoreLock(s3.url("out.zarr"), stale_after=0.2) as lock:
-        assert record(s3)[0]["token"] == lock.token
 
 
 def test_our_own_create_that_landed_on_an_earlier_try_is_ours(s3):
@@ -171,26 +95,6 @@ def test_two_takers_of_one_stale_lock_one_wins(s3):
         won[0].__exit__(None, None, None)
 
 
-def test_a_holder_taken_over_sees_lost_and_never_overwrites_the_new_holder(s3):
-    url = s3.url("out.zarr")
-    old = ObjectStoreLock(url).__enter__()
-    new = ObjectStoreLock(url, stale_after=0.01)  # as if the old holder had been paused past the stale age
-    with old._mutex:  # its heartbeat is held up here: paused
-        time.sleep(0.05)
-        new.__enter__()
-    assert old.lost.wait(5), "the old holder's heartbeat did not find its lock taken"
-    time.sleep(0.3)  # more beats of the new holder; none of the old one
-    assert record(s3)[0]["token"] == new.token and new.held() and not new.lost.is_set()
-    assert not old.held()
-    old.__exit__(None, None, None)  # its release deletes nothing of the new holder's
-    assert new.held()
-    error = lost_lock(url)
-    assert isinstance(error, LockLostError) and f"pid {os.getpid()}" in str(error)
-    new.__exit__(None, None, None)
-    assert "out.zarr.lock" not in s3.keys()
-    assert "was deleted" in str(lost_lock(url))
-
-
 HOLDER = """
 import sys
 from extract.store.object_lock import ObjectStoreLock
@@ -226,22 +130,9 @@ def test_a_paused_holder_comes_back_without_its_lock(s3, monkeypatch):
             child.wait()
 
 
-def test_release_deletes_only_our_own_lock(s3, monkeypatch):
-    monkeypatch.setenv("EXTRACT_LOCK_HEARTBEAT", "30")
-    monkeypatch.setenv("EXTRACT_LOCK_STALE_AFTER", "60")
-    url = s3.url("out.zarr")
-    old = ObjectStoreLock(url).__enter__()
-    time.sleep(0.05)  # older than the taker's stale age
-    new = ObjectStoreLock(url, stale_after=0.01).__enter__()  # taken before the old one's next beat
-    old.__exit__(None, None, None)  # it has not noticed; its release must still find out
-    assert record(s3)[0]["token"] == new.token
-    new.__exit__(None, None, None)
-    assert "out.zarr.lock" not in s3.keys()
-
-
 def test_lock_url_is_beside_the_store(s3):
     url = s3.url("deep/er/out.zarr")
-    assert lock_url(url) == url + ".lock" and parse(url).lock == url + ".lock"
+    assert lock_name(url) == url + ".lock" and parse(url).lock == url + ".lock"
     with ObjectStoreLock(url):
         assert "deep/er/out.zarr.lock" in s3.keys()
     with pytest.raises(ExtractError, match="local path"):

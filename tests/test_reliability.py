@@ -25,9 +25,9 @@ from launches import launcher, rank_pids
 
 import extract.store.lock
 from extract.cli.verify import main as verify_main
-from extract.errors import LockLostError, StoreBusyError, StoreDamagedError
+from extract.errors import LockLostError, StoreDamagedError
 from extract.read.features import open_features
-from extract.store.lock import StoreLock, lock_path
+from extract.store.lock import lock_path
 from extract.store.store import FeatureStore
 
 TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
@@ -550,43 +550,7 @@ def test_stale_lock_of_a_live_reused_pid_is_taken_over_by_age(tmp_path, cli):
 # A lock of this host whose holder is in another PID namespace (issue 29, item 5): a container on the same
 # host (pyxis/enroot, a pod with hostNetwork, ``docker run``, ``unshare --pid``) shares the hostname and
 # the filesystem, not the pids. Its holder's pid proves nothing here: only its heartbeat's age frees it.
-OTHER_NAMESPACE = "pid:[4026599999]"
-
-
-def _reaped() -> int:
-    """A pid of this namespace that no longer runs."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
-
-
-@pytest.mark.skipif(not extract.store.lock.process_namespace(), reason="no /proc: no PID namespace to record")
-@pytest.mark.parametrize("whose", ["another namespace", "another boot", "an older lock"])
-def test_a_lock_whose_pid_is_of_another_namespace_waits_for_its_heartbeat(tmp_path, monkeypatch, whose):
-    """Its pid runs nowhere here, but the lock cannot prove it is a pid of ours: refused until the
-    heartbeat is older than the stale age (the clock is moved on, not waited for); a lock that proves it
-    is of this namespace and boot, with its pid gone, is taken at once."""
-    out = tmp_path / "ns.zarr"
-    ours = extract.store.lock.process_namespace()
-    fields = {"another namespace": {**ours, "pid_ns": OTHER_NAMESPACE}, "another boot": {**ours, "boot": "another"},
-              "an older lock": {}}[whose]  # fmt: skip
-    record = {"host": socket.gethostname(), "pid": _reaped(), **fields, "started": "2026-01-01T00:00:00", "token": "t"}
-    lock_path(out).write_text(json.dumps(record))
-    with pytest.raises(StoreBusyError) as busy:
-        StoreLock(out).__enter__()
-    message = str(busy.value)
-    assert f"being written by another job (host {socket.gethostname()}, pid {record['pid']}" in message, message
-    assert (f"in another PID namespace, {OTHER_NAMESPACE}" in message) == (whose == "another namespace"), message
-    with pytest.raises(StoreBusyError):
-        extract.store.lock.check_unlocked(out)
-    assert json.loads(lock_path(out).read_text()) == record  # left alone
-    monkeypatch.setattr(extract.store.lock, "clock", lambda: time.time() + 61)  # the heartbeat stopped a minute ago
-    with StoreLock(out) as lock:
-        assert json.loads(lock_path(out).read_text())["token"] == lock.token
-    monkeypatch.undo()
-    lock_path(out).write_text(json.dumps({**record, **ours}))  # proven ours, and its pid is gone: at once
-    with StoreLock(out) as lock:
-        assert json.loads(lock_path(out).read_text())["token"] == lock.token
+# The lock's own tests (a stale holder in another PID namespace, the heartbeat's) are test_locks.py's.
 
 
 def _in_a_new_pid_namespace() -> bool:
@@ -799,28 +763,6 @@ def test_a_store_from_before_fencing_is_resumed_and_gets_a_writer(tmp_path, refe
     assert code == 0 and "1 chunk written, 11 reused" in err, err
     assert_same_store(out, reference)
     assert len(zarr.open_group(out, mode="r").attrs["writer"]) == 32
-
-
-def test_the_heartbeat_finds_its_lock_taken_or_removed_and_never_refreshes_or_recreates_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("EXTRACT_LOCK_HEARTBEAT", "0.05")
-    out = tmp_path / "held.zarr"
-    other = json.dumps({"host": "elsewhere", "pid": 1, "started": "2026-01-01T00:00:00", "token": "another"})
-    for how in ("taken over", "removed"):
-        with StoreLock(out) as lock:
-            assert lock.held() and not lock.lost.is_set() and json.loads(lock.path.read_text())["token"] == lock.token
-            if how == "removed":
-                lock.path.unlink()
-            else:
-                lock.path.write_text(other)
-            assert lock.lost.wait(5) and not lock.held()
-            if how != "removed":
-                os.utime(lock.path, (0, 0))
-            time.sleep(0.2)  # a few more beats
-        if how == "removed":
-            assert not lock.path.exists()
-        else:  # neither refreshed nor deleted on exit
-            assert lock.path.read_text() == other and lock.path.stat().st_mtime == 0
-            lock.path.unlink()
 
 
 @pytest.mark.parametrize(

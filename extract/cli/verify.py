@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ..errors import StoreDamagedError
-from ..store import lock, object_lock
 from ..store.location import parse
+from ..store.locking import check_unlocked, lock_for
 from ..store.paths import real_path
 from ..store.store import FeatureStore
 from ..store.verify import repair, verify
@@ -38,18 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     location = parse(args.store)  # a malformed URL is one line (exit 2)
     target: Path | str
-    holder: Any
     if location.remote:  # its lock is an object beside it, made of conditional writes
         assert location.url is not None
-        target, holder = location.url, object_lock.ObjectStoreLock
-        object_lock.check_unlocked(target)
+        target = location.url
     else:  # through a link too: the lock is named for the real path
         assert location.path is not None
-        target, holder = real_path(location.path), lock.StoreLock
-        lock.check_unlocked(target)
+        target = real_path(location.path)
+    check_unlocked(target)
     try:
         if args.repair:
-            with holder(target):
+            with lock_for(target):
                 store = FeatureStore.open(target, mode="r+")
                 found = verify(store)
                 report = repair(store, found)

@@ -42,14 +42,9 @@ def lost_lock(location: Location) -> LockLostError:
     """The error of a job that lost the lock of the store at ``location`` (a path, or a URL on object
     storage). The lock modules are loaded here, when it happens: only writers meet this, readers never
     load a lock."""
-    if location.remote:
-        from .object_lock import lost_lock as lost_object_lock
+    from .locking import lost_lock as lost
 
-        return lost_object_lock(location)
-    from .lock import lost_lock as lost_file_lock
-
-    assert location.path is not None
-    return lost_file_lock(location.path)
+    return lost(location)
 
 
 class FencedStore(WrapperStore[Store]):

@@ -34,8 +34,7 @@ from ..errors import (
 )
 from .fence import lost_lock
 from .location import Location, from_object_storage, locate, storage_error
-from .lock import StoreLock, lock_path
-from .object_lock import ObjectStoreLock
+from .locking import Lock, lock_for, lock_name
 from .paths import DAMAGED, check_out_path, check_out_url, check_writable, real_path, sweep_scratch
 from .store import FeatureStore
 
@@ -58,7 +57,7 @@ class StoreLife:
         self.location = given if given.path is None else Location(path=real_path(given.path))
         self.out: Path | str = self.location.place
         self.main = state.is_main_process
-        self.lock: StoreLock | ObjectStoreLock | None = None
+        self.lock: Lock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
         self.existing: dict[str, Any] | None = None
         self.store: FeatureStore | None = None
@@ -94,7 +93,7 @@ class StoreLife:
         if self.given == self.out or self.remote:
             return error
         assert isinstance(self.out, Path)
-        locked = f"; the lock is {lock_path(self.out)}" if isinstance(error, StoreBusyError) else ""
+        locked = f"; the lock is {lock_name(self.out)}" if isinstance(error, StoreBusyError) else ""
         told = str(error).replace(f"--out {self.out}", f"--out {self.given} (resolves to {self.out}{locked})", 1)
         return rebuilt(type(error), told)
 
@@ -111,11 +110,11 @@ class StoreLife:
     def _claim(self) -> dict[str, Any] | None:
         if self.location.url is not None:  # object storage: a conditional create makes the lock
             check_out_url(self.location.url)  # a prefix of foreign objects: refused before the lock is made
-            self.lock = ObjectStoreLock(self.location).__enter__()
+            self.lock = lock_for(self.location).__enter__()
             return check_out_url(self.location.url)  # read again, now that nobody else can change it
         assert isinstance(self.out, Path)
         check_out_path(self.out)  # a regular file, a foreign directory, an unwritable parent: refused now
-        lock = StoreLock(self.out)
+        lock = lock_for(self.out)
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.lock = lock.__enter__()

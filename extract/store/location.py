@@ -277,7 +277,7 @@ def write_timeout() -> float:
     first try (``fence.py``), so its last try must end before another job could take the store over
     (the stale age after the job's last heartbeat): a write held up in an outage then never lands in
     the next job's store. For longer outages, raise ``EXTRACT_LOCK_STALE_AFTER`` too."""
-    from .lock import timings
+    from .held_lock import timings
 
     return min(_retry_timeout(), max(5.0, timings()[1] / 3))
 

@@ -113,16 +113,9 @@ def check_not_being_created(location: Location) -> None:
     """Raise ``StoreBeingCreatedError`` when a live job holds the lock of ``location``, where there is no
     store yet: the reader came while the job is creating it (or preparing to), not to a wrong path. The
     lock modules are loaded here only, for a path without a store."""
-    if location.remote:
-        from .object_lock import live_holder, lock_url
+    from .locking import live_holder, lock_name
 
-        holder, lock = live_holder(location), lock_url(location)
-    else:
-        from .lock import live_holder as live_file_holder
-        from .lock import lock_path
-
-        assert location.path is not None
-        holder, lock = live_file_holder(location.path), str(lock_path(location.path))
+    holder, lock = live_holder(location), lock_name(location)
     if holder is None:
         return
     job = "one that is starting"  # its claimer has not written its record yet
