@@ -87,24 +87,26 @@ def resolve_layers(
         else:
             found = [module_pattern] if module_pattern in names else []
         if not found:
-            raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases)))
+            suffix = INPUT_SUFFIX if is_input else ""
+            raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases), suffix))
         refs.extend(LayerRef(n, selector, input=is_input) for n in found)
     order = {n: i for i, n in enumerate(names)}
     unique = dict.fromkeys(sorted(refs, key=lambda r: (order[r.module], not r.input, r.alias is not None)))
     return list(unique)
 
 
-def _no_match(pattern: str, module_pattern: str, names: list[str], aliases: list[str]) -> str:
-    """Why ``pattern`` matched nothing: the closest names, and, where a glob would have matched had its
-    ``*`` crossed a dot, how to write it."""
-    message = f"layer '{pattern}' matches no module; closest: {closest(module_pattern, [*names, *aliases])}"
+def _no_match(pattern: str, module_pattern: str, names: list[str], aliases: list[str], suffix: str = "") -> str:
+    """Why ``pattern`` matched nothing: the closest names (with ``suffix``: ``@input`` for an input),
+    and, where a glob would have matched had its ``*`` crossed a dot, how to write it."""
+    candidates = [*(name + suffix for name in names), *aliases]
+    message = f"layer '{pattern}' matches no module; closest: {closest(module_pattern + suffix, candidates)}"
     if "hook_" in pattern and not any("hook_" in alias for alias in aliases):
         message += f"; {LENS_HINT}"
     if any(c in module_pattern for c in "*?[") and (across := [n for n in names if fnmatchcase(n, module_pattern)]):
         depth = across[0].count(".") + 1
         hint = module_pattern.replace("*", "*" + ".*" * (depth - module_pattern.count(".") - 1), 1)
         message += (
-            f"; '*' stays within one dotted segment, so it does not match {across[0]}: write {hint} "
+            f"; '*' stays within one dotted segment, so it does not match {across[0]}: write {hint}{suffix} "
             f"({len(across)} module{'s' if len(across) != 1 else ''} match it across segments)"
         )
     return message + " (run with --list-layers for all names)"
