@@ -284,3 +284,20 @@ def test_an_input_is_a_layer_of_an_image_store_too(tmp_path, cli):
     assert f.layers == ["layer3", "layer4@input"] and f.layout("layer3") == "NCHW"
     assert f.attrs["pools"] == {"layer3": "none", "layer4@input": "avg"}
     np.testing.assert_allclose(f.load("layer4@input"), f.load("layer3").mean(axis=(2, 3)), rtol=1e-6, atol=1e-6)
+
+
+def test_a_per_layer_option_names_an_input_by_its_own_name():
+    from extract.names.layers import LayerRef
+    from extract.names.pooling import per_layer
+
+    refs = [LayerRef("layer4", input=True), LayerRef("layer4"), LayerRef("layer3", alias="before")]
+    assert per_layer(["layer4=avg"], refs, "pool", "none") == {
+        "layer4@input": "none",
+        "layer4": "avg",
+        "before": "none",
+    }
+    assert per_layer(["layer4@input=max", "layer3=avg"], refs, "pool", "none") == {
+        "layer4@input": "max",
+        "layer4": "none",
+        "before": "avg",
+    }
