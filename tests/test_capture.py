@@ -10,6 +10,7 @@ from tiny_models import dict_net
 
 import extract
 from extract import Capture, ExtractError, StopForward
+from extract.capture.setup import list_layers
 from extract.names.layout import Layout
 from extract.store.arrays import dimension_names
 
@@ -125,6 +126,102 @@ def test_globs_stay_within_one_segment():
     with Capture(model, ["layer1.*"]) as cap:
         pass
     assert [ref.name for ref in cap.refs] == ["layer1.0", "layer1.1"]
+
+
+# --- a module's input (NAME@input) --------------------------------------------------------------
+
+
+def test_an_input_is_what_the_module_receives_after_an_edit_upstream():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(6, 10)
+
+    def hook(output):  # the tutorial's edit
+        output[output > 0] = 1
+
+    with Capture(net, ["fc2@input", "fc1@input", "fc1"], edit={"fc1": hook}) as cap:
+        y = net(x)
+    h = net.fc1(x)
+    h[h > 0] = 1
+    torch.testing.assert_close(cap["fc1@input"], x, rtol=0, atol=0)
+    torch.testing.assert_close(cap["fc2@input"], torch.relu(h), rtol=0, atol=0)  # relu runs between fc1 and fc2
+    torch.testing.assert_close(y, net.fc2(torch.relu(h)), rtol=0, atol=0)
+    assert [ref.name for ref in cap.refs] == ["fc1@input", "fc1", "fc2@input"]  # an input before its output
+    assert hook_count(net) == 0
+
+
+def test_an_input_fires_before_its_module_so_stop_skips_the_module():
+    model = resnet18()
+    calls = []
+    model.layer4.register_forward_hook(lambda *a: calls.append("layer4"))
+    x = torch.randn(2, 3, 32, 32)
+    with Capture(model, ["layer4@input"], stop=True) as cap:
+        assert cap.forward(x) is None
+    assert calls == []
+    with Capture(model, ["layer3"]) as full:
+        model(x)
+    torch.testing.assert_close(cap["layer4@input"], full["layer3"], rtol=0, atol=0)
+    with Capture(model, ["layer*@input"]) as cap:
+        pass
+    assert [ref.name for ref in cap.refs] == [f"layer{i}@input" for i in range(1, 5)]
+    with Capture(model, ["layer4@input"], retain="shape") as shapes:
+        model(x)
+    assert shapes.by_module() == {"layer4@input": [full["layer3"].shape]}
+
+
+class Keyworded(nn.Module):
+    """A block taking its input by keyword, as transformers' blocks and attention modules may."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, hidden_states=None, features=None):
+        return self.fc(hidden_states if hidden_states is not None else features)
+
+
+class Keywords(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Keyworded(), Keyworded()
+
+    def forward(self, x):
+        return self.b(features=self.a(hidden_states=x))
+
+
+def test_an_input_given_by_keyword_is_the_hidden_states_one_and_no_other():
+    torch.manual_seed(0)
+    model, x = Keywords(), torch.randn(3, 4)
+    seen = []
+    handle = model.a.register_forward_pre_hook(lambda m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+    with Capture(model, ["a@input", "a.fc@input"]) as cap:
+        model(x)
+    handle.remove()
+    assert seen[0][0] == () and seen[0][1]["hidden_states"] is x  # the plain pre-hook's view: a keyword
+    torch.testing.assert_close(cap["a@input"], x, rtol=0, atol=0)
+    torch.testing.assert_close(cap["a.fc@input"], x, rtol=0, atol=0)
+    with pytest.raises(ExtractError) as error, Capture(model, ["b@input"]):
+        model(x)
+    assert str(error.value) == (
+        "layer 'b@input': b is called with no argument and no hidden_states= (keywords features), so its input is "
+        "not a tensor; capture another module's input or output (see --list-layers)"
+    )
+    rows = {row[0]: row for row in list_layers(model, model, x, x)}
+    assert rows["b@input"][2] == "no positional argument nor hidden_states= (not a tensor: not capturable)"
+    assert rows["a@input"][1:3] == ("Keyworded", "(B, 4)") and rows["b.fc@input"][2] == "(B, 4)"
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        ("fc2@inputs", "'@' spells a module's input, NAME@input"),
+        ("fc2:0@input", "'@' spells a module's input, NAME@input (one tensor: no ':' selector)"),
+        ("fc3@input", "layer 'fc3@input' matches no module; closest: fc2@input, fc1@input"),
+    ],
+)
+def test_misspelled_inputs_are_one_line(layer, message):
+    with pytest.raises(ExtractError) as error:
+        Capture(Net(), [layer])
+    assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_shared_module_is_refused():

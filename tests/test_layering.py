@@ -45,8 +45,9 @@ KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("extract.analysis.images", "data"): "report: sample images from the job's data source",
     ("extract.analysis.texts", "data"): "report: sample texts from the job's data source",
     # ``hidden_states.N`` aliases are found by running the model once under ``Capture`` and matching
-    # the outputs: the hook machinery itself, which the model source needs, not a name.
-    ("extract.models.hf_hub", "capture"): "hidden_states.N aliases found with Capture",
+    # the outputs, and TransformerLens's names by one forward that tells tuples from tensors (the
+    # table itself is capture's): the hook machinery, which the model source needs, not a name.
+    ("extract.models.hf_hub", "capture"): "hidden_states.N and TransformerLens aliases found with Capture",
 }
 
 NAMES_MAY_IMPORT = {"numpy", "torch"}  # besides the standard library: names/ imports no other package

@@ -212,6 +212,9 @@ def test_hf_hidden_states_and_modules_equal_transformers(cli, photos, dinov2_dir
     assert close(stored(out, "encoder.layer.1"), hidden[2].mean(1).numpy())
     attrs = zarr.open_group(out, mode="r").attrs.asdict()
     assert attrs["layers"] == ["hidden_states.0", "encoder.layer.1", "hidden_states.3"]
+    assert attrs["resolved_layers"] == {  # what each alias is in the model
+        "hidden_states.0": "embeddings", "encoder.layer.1": "encoder.layer.1", "hidden_states.3": "encoder.layer.2"
+    }  # fmt: skip
     recorded = attrs["preprocessing"]
     assert recorded["source"] == "hf" and recorded["mean"] == [0.5, 0.4, 0.3] and recorded["std"] == [0.2, 0.3, 0.4]
     assert recorded["resize"] == 40 and recorded["crop"] == [32, 32] and recorded["interpolation"] == "bicubic"

@@ -1,5 +1,6 @@
-"""``Capture``, the one hook manager: every place that needs a module's output (extraction, the
-interventions, --list-layers and layout probing, the ``hidden_states`` aliases) goes through it.
+"""``Capture``, the one hook manager: every place that needs a module's output or input (extraction,
+the interventions, --list-layers and layout probing, the ``hidden_states`` and TransformerLens
+aliases) goes through it.
 
 Style after baukit's ``Trace``: one context manager, behaviour chosen by keyword arguments,
 hooks removed on any exit, and stopping the forward early is an exception the context swallows.
@@ -17,7 +18,7 @@ from torch import nn
 from ..errors import ExtractError, PoolShapeError, TextShapeError
 from ..names.layers import LayerRef, closest
 from ..names.pooling import Pool
-from .layers import resolve_layers, select
+from .layers import module_input, resolve_layers, select, select_input
 from .layout import shape_tree
 
 Sink = Callable[[str, torch.Tensor], None]
@@ -31,7 +32,7 @@ class StopForward(Exception):
 
 
 class Capture:
-    """Capture the outputs of ``layers`` of ``model`` in its forward passes.
+    """Capture the outputs (and inputs) of ``layers`` of ``model`` in its forward passes.
 
     Example::
 
@@ -43,21 +44,30 @@ class Capture:
             model(x)
         cap.by_module()["layer1.0.relu"]  # [torch.Size(...), torch.Size(...)]: it runs twice
 
+        with Capture(model, ["transformer.h.1.mlp@input"], stop=True) as cap:
+            model(ids)  # stops before the MLP runs: its input is all that was asked for
+
     Args:
-        layers: names, globs (``layer*``) or ``name:0`` / ``name:key`` selectors, or resolved ``LayerRef``s;
-            ``None``: every submodule of ``model``.
+        layers: names, globs (``layer*``), ``name:0`` / ``name:key`` selectors or ``name@input``, or
+            resolved ``LayerRef``s; ``None``: every submodule of ``model`` (its output).
+            ``name@input`` is what the module receives, seen by a forward pre-hook (with its keyword
+            arguments) before it runs: its first positional argument, else its ``hidden_states``
+            keyword argument (transformers calls attention modules, and some decoder layers, that
+            way); anything else is refused naming the keywords it took.
         retain: what a forward leaves behind.
             ``"output"``: each layer's selected tensor, detached and cloned, in ``outputs`` (or handed
             to ``sink``); a layer whose module runs twice in one forward is refused.
-            ``"shape"``: the ``shape_tree`` of every call of each layer's module, in ``seen``; a module
-            may run any number of times, and selectors are not applied (``selected_shape`` does that).
+            ``"shape"``: the ``shape_tree`` of every call of each layer's module, in ``seen`` (an input
+            under ``name@input``); a module may run any number of times, and selectors are not applied
+            (``selected_shape`` does that).
             ``"reference"``: every call's output object itself (not detached, not copied), in ``seen``:
             for finding by identity which module returned a given tensor.
         reduce: applied to each detached output before it is kept (a ``--pool`` reduction), or a
             mapping from stored layer name to the reduction of that layer (``None``: keep it whole).
             ``retain="output"`` only.
-        stop: raise ``StopForward`` once every layer has fired, skipping the rest of the forward;
-            the ``with`` block and ``forward()`` swallow it.
+        stop: raise ``StopForward`` once every layer has fired, skipping the rest of the forward
+            (an input fires before its module runs, so the module itself is skipped too when it was
+            the last); the ``with`` block and ``forward()`` swallow it.
         edit: module name -> function of the module's output. A returned value replaces the output,
             ``None`` keeps the (possibly in-place modified) output; downstream modules and captures
             of that module see the edit.
@@ -89,8 +99,8 @@ class Capture:
         self.edit = dict(edit or {})
         self.sink = sink
         self.outputs: dict[str, torch.Tensor] = {}
-        self.seen: list[tuple[str, Any]] = []  # (module name, shape tree or output) per call, in return order
-        self.calls: Counter[str] = Counter()
+        self.seen: list[tuple[str, Any]] = []  # (site, shape tree or output) per call, in the order they fired
+        self.calls: Counter[str] = Counter()  # per site: a module's name (its output) or name@input
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> Capture:
@@ -100,13 +110,20 @@ class Capture:
                 raise ExtractError(
                     f"edit names module '{name}', which does not exist; closest: {closest(name, list(modules))}"
                 )
-        by_module: dict[str, list[LayerRef]] = {}
+        outputs: dict[str, list[LayerRef]] = {}
+        inputs: dict[str, list[LayerRef]] = {}
         for ref in self.refs:
-            by_module.setdefault(ref.module, []).append(ref)
+            if ref.module not in modules:
+                raise ExtractError(f"layer '{ref.name}' names module '{ref.module}', which does not exist; "
+                                   f"closest: {closest(ref.module, list(modules))}")  # fmt: skip
+            (inputs if ref.input else outputs).setdefault(ref.module, []).append(ref)
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._new_forward))
-            for name in dict.fromkeys([*by_module, *self.edit]):
-                hook = self._make_hook(name, by_module.get(name, []), self.edit.get(name))
+            for name, refs in inputs.items():
+                hook = self._make_input_hook(name, refs)
+                self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+            for name in dict.fromkeys([*outputs, *self.edit]):
+                hook = self._make_hook(name, outputs.get(name, []), self.edit.get(name))
                 self._handles.append(modules[name].register_forward_hook(hook))
         except BaseException:
             self.remove()
@@ -133,7 +150,8 @@ class Capture:
             return None
 
     def by_module(self) -> dict[str, list[Any]]:
-        """What ``retain="shape"`` or ``"reference"`` kept in the last forward, per module, one entry a call."""
+        """What ``retain="shape"`` or ``"reference"`` kept in the last forward, per module (an input
+        under ``name@input``, see ``LayerRef.site``), one entry a call."""
         kept: dict[str, list[Any]] = {}
         for name, value in self.seen:
             kept.setdefault(name, []).append(value)
@@ -141,21 +159,38 @@ class Capture:
 
     def missing(self) -> list[str]:
         """Layers that did not fire in the last forward."""
-        return [ref.name for ref in self.refs if self.calls[ref.module] == 0]
+        return [ref.name for ref in self.refs if self.calls[ref.site] == 0]
 
     def _new_forward(self, module: nn.Module, args: Any) -> None:
         self.calls.clear()
         self.seen.clear()
 
+    def _count(self, site: str, module: str, refs: list[LayerRef]) -> None:
+        self.calls[site] += 1
+        if refs and self.retain == "output" and self.calls[site] > 1:
+            parent = module.rpartition(".")[0] or "a module that runs once"
+            raise ExtractError(
+                f"layer '{site}' ran {self.calls[site]} times in one forward (a shared module); "
+                f"capture a module that runs once, e.g. '{parent}'"
+            )
+
+    def _make_input_hook(self, name: str, refs: list[LayerRef]) -> Callable[..., Any]:
+        site = refs[0].site
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._count(site, name, refs)
+            value = module_input(args, kwargs)
+            if self.retain == "output":
+                value = select_input(value, refs[0], kwargs)
+            self._retain(site, refs, value)
+            if self.stop and not self.missing():
+                raise StopForward
+
+        return hook
+
     def _make_hook(self, name: str, refs: list[LayerRef], edit: Edit | None) -> Callable[..., Any]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> Any:
-            self.calls[name] += 1
-            if refs and self.retain == "output" and self.calls[name] > 1:
-                parent = name.rpartition(".")[0] or "a module that runs once"
-                raise ExtractError(
-                    f"layer '{name}' ran {self.calls[name]} times in one forward (a shared module); "
-                    f"capture a module that runs once, e.g. '{parent}'"
-                )
+            self._count(name, name, refs)
             replaced = None
             if edit is not None:
                 replaced = edit(output)
@@ -169,14 +204,14 @@ class Capture:
 
         return hook
 
-    def _retain(self, name: str, refs: list[LayerRef], output: Any) -> None:
+    def _retain(self, site: str, refs: list[LayerRef], output: Any) -> None:
         if self.retain == "shape":
-            self.seen.append((name, shape_tree(output)))
+            self.seen.append((site, shape_tree(output)))
         elif self.retain == "reference":
-            self.seen.append((name, output))
+            self.seen.append((site, output))
         else:
             for ref in refs:
-                self._keep(ref, select(output, ref))
+                self._keep(ref, output if ref.input else select(output, ref))
 
     def _keep(self, ref: LayerRef, value: torch.Tensor) -> None:
         value = value.detach()

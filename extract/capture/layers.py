@@ -1,7 +1,8 @@
-"""Layer resolution: ``--layers`` patterns (names, one-segment globs, ``NAME:0`` / ``NAME:key`` selectors
-and the source's aliases such as ``hidden_states.N``) resolved to ``LayerRef``s against a model, the
-tensor a selector picks in a module's output, and the shape of any output in messages. The names
-themselves (``LayerRef``, ``matches_glob``, ``closest``, ``shape_text``) are ``extract.names.layers``."""
+"""Layer resolution: ``--layers`` patterns (names, one-segment globs, ``NAME:0`` / ``NAME:key`` selectors,
+``NAME@input`` and the source's aliases such as ``hidden_states.N`` and TransformerLens's hook names)
+resolved to ``LayerRef``s against a model, the tensor a selector picks in a module's output, the
+tensor a module's input is, and the shape of any output in messages. The names themselves
+(``LayerRef``, ``matches_glob``, ``closest``, ``shape_text``) are ``extract.names.layers``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,22 @@ import torch
 from torch import nn
 
 from ..errors import ExtractError, LayerNotFoundError
-from ..names.layers import LayerRef, closest, matches_glob, shape_text
+from ..names.layers import INPUT_SUFFIX, LayerRef, closest, matches_glob, shape_text
+from .lens import LENS_HINT
+
+INPUT_KEYWORD = "hidden_states"  # the keyword transformers passes a block's or an attention's input by
+
+
+def _split_input(pattern: str) -> tuple[str, bool]:
+    """``NAME@input`` -> (NAME, True); a pattern without ``@`` -> (pattern, False)."""
+    module, at, site = pattern.partition("@")
+    if not at:
+        return pattern, False
+    if f"@{site}" != INPUT_SUFFIX or ":" in module:
+        raise ExtractError(
+            f"layer '{pattern}': '@' spells a module's input, NAME{INPUT_SUFFIX} (one tensor: no ':' selector)"
+        )
+    return module, True
 
 
 def _split_selector(pattern: str) -> tuple[str, int | str | None]:
@@ -38,13 +54,18 @@ def _normalize_alias(pattern: str, aliases: Mapping[str, LayerRef]) -> str:
 
 
 def resolve_layers(
-    model: nn.Module, patterns: list[str], aliases: Mapping[str, LayerRef] | None = None
+    model: nn.Module,
+    patterns: list[str],
+    aliases: Mapping[str, LayerRef] | None = None,
+    absent: Mapping[str, str] | None = None,
 ) -> list[LayerRef]:
     """Expand names and globs against ``model.named_modules()`` and the source's ``aliases``
-    (``hidden_states.N``), in the model's order, without duplicates."""
+    (``hidden_states.N``, TransformerLens names), in the model's order (a module's input before its
+    output), without duplicates. ``absent`` maps an alias this model has no tensor for to why
+    (``blocks.0.hook_resid_mid`` of a parallel-residual block): asked for, it is that one line."""
     if not patterns:
         raise ExtractError("no layers given; pass --layers NAME [NAME ...] (see --list-layers)")
-    aliases = aliases or {}
+    aliases, absent = aliases or {}, absent or {}
     names = [name for name, _ in model.named_modules() if name]
     refs: list[LayerRef] = []
     for pattern in patterns:
@@ -55,28 +76,37 @@ def resolve_layers(
         if pattern in aliases:
             refs.append(aliases[pattern])
             continue
-        module_pattern, selector = _split_selector(pattern)
+        if pattern in absent:
+            raise LayerNotFoundError(
+                f"layer '{pattern}': {absent[pattern]}; closest: {closest(pattern, list(aliases))}"
+            )
+        module_pattern, is_input = _split_input(pattern)
+        module_pattern, selector = _split_selector(module_pattern)
         if any(c in module_pattern for c in "*?["):
             found = [n for n in names if matches_glob(module_pattern, n)]
         else:
             found = [module_pattern] if module_pattern in names else []
         if not found:
-            raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases)))
-        refs.extend(LayerRef(n, selector) for n in found)
+            suffix = INPUT_SUFFIX if is_input else ""
+            raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases), suffix))
+        refs.extend(LayerRef(n, selector, input=is_input) for n in found)
     order = {n: i for i, n in enumerate(names)}
-    unique = dict.fromkeys(sorted(refs, key=lambda r: (order[r.module], r.alias is not None)))
+    unique = dict.fromkeys(sorted(refs, key=lambda r: (order[r.module], not r.input, r.alias is not None)))
     return list(unique)
 
 
-def _no_match(pattern: str, module_pattern: str, names: list[str], aliases: list[str]) -> str:
-    """Why ``pattern`` matched nothing: the closest names, and, where a glob would have matched had its
-    ``*`` crossed a dot, how to write it."""
-    message = f"layer '{pattern}' matches no module; closest: {closest(module_pattern, [*names, *aliases])}"
+def _no_match(pattern: str, module_pattern: str, names: list[str], aliases: list[str], suffix: str = "") -> str:
+    """Why ``pattern`` matched nothing: the closest names (with ``suffix``: ``@input`` for an input),
+    and, where a glob would have matched had its ``*`` crossed a dot, how to write it."""
+    candidates = [*(name + suffix for name in names), *aliases]
+    message = f"layer '{pattern}' matches no module; closest: {closest(module_pattern + suffix, candidates)}"
+    if "hook_" in pattern and not any("hook_" in alias for alias in aliases):
+        message += f"; {LENS_HINT}"
     if any(c in module_pattern for c in "*?[") and (across := [n for n in names if fnmatchcase(n, module_pattern)]):
         depth = across[0].count(".") + 1
         hint = module_pattern.replace("*", "*" + ".*" * (depth - module_pattern.count(".") - 1), 1)
         message += (
-            f"; '*' stays within one dotted segment, so it does not match {across[0]}: write {hint} "
+            f"; '*' stays within one dotted segment, so it does not match {across[0]}: write {hint}{suffix} "
             f"({len(across)} module{'s' if len(across) != 1 else ''} match it across segments)"
         )
     return message + " (run with --list-layers for all names)"
@@ -103,6 +133,26 @@ def select(output: Any, ref: LayerRef) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ExtractError(f"layer '{ref.name}' selects a {type(value).__name__}, not a tensor")
     return value
+
+
+def module_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """What ``NAME@input`` is, from the arguments a forward pre-hook sees: the first positional
+    argument, else the ``hidden_states`` keyword argument (None when neither was given)."""
+    if args:
+        return args[0]
+    return kwargs.get(INPUT_KEYWORD)
+
+
+def select_input(value: Any, ref: LayerRef, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """``value`` (``module_input``), refused in one line unless it is a tensor."""
+    if isinstance(value, torch.Tensor):
+        return value
+    took = f"keywords {', '.join(kwargs)}" if kwargs else "no keywords"
+    given = f"its first argument is {describe(value)}" if value is not None else f"no argument and no {INPUT_KEYWORD}="
+    raise ExtractError(
+        f"layer '{ref.name}': {ref.module} is called with {given} ({took}), so its input is not a tensor; "
+        "capture another module's input or output (see --list-layers)"
+    )
 
 
 def describe(output: Any, batch: int | None = None) -> str:

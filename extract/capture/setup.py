@@ -2,7 +2,7 @@
 
 ``setup_layers`` runs the requested layers to validate them (each runs once, its batch axis comes
 first, its pooling fits) and learns each one's layout, pooling and stored shape. ``list_layers``
-runs every submodule and alias for --list-layers: its class, output shape and layout."""
+runs every submodule (its output and its input) and alias for --list-layers: its class, shape and layout."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def _stored_layout(pool: str, captured: Layout | None) -> str | None:
 def output_shapes(
     model: nn.Module, run: Run, example: torch.Tensor, layers: Sequence[LayerRef] | None = None
 ) -> dict[str, list[Any]]:
-    """Each module's (or each of ``layers``' modules') output ``shape_tree`` in one forward of
-    ``example``: a list per module, one entry a call, since a shared module runs more than once."""
+    """Each module's (or each of ``layers``' sites') output ``shape_tree`` in one forward of
+    ``example``: a list per module (an input under ``NAME@input``), one entry a call, since a shared
+    module runs more than once."""
     with Capture(model, layers, retain="shape") as cap, torch.inference_mode():
         run(example)
     return cap.by_module()
@@ -117,7 +118,7 @@ def _layouts(
     modules = dict(model.named_modules())
     layouts: dict[str, Layout | None] = {}
     for ref in refs:
-        large_shape = selected_shape(large[ref.module][0], ref.selector) if ref.module in large else None
+        large_shape = selected_shape(large[ref.site][0], ref.selector) if ref.site in large else None
         inferred = infer_layout(ref.module, modules[ref.module], outputs[ref.name].shape, large_shape, hints)
         layouts[ref.name] = chosen[ref.name] or inferred
     return layouts
@@ -169,22 +170,26 @@ def list_layers(
     aliases: Mapping[str, LayerRef] | None = None,
     hints: Mapping[str, str] | None = None,
 ) -> list[tuple[str, str, str, str]]:
-    """(name, class, output shape, layout) for every submodule and alias, from a forward of
-    ``example`` (and one of ``larger``, which tells the layouts; see ``extract.capture.layout``):
-    images, or a mapping of text inputs (a larger one has more tokens)."""
+    """(name, class, shape, layout) for every submodule, its input (``NAME@input``, the row after
+    it) and every alias, from a forward of ``example`` (and one of ``larger``, which tells the
+    layouts; see ``extract.capture.layout``): images, or a mapping of text inputs (a larger one has
+    more tokens)."""
+    modules = dict(model.named_modules())
+    listed: list[tuple[str, LayerRef, str]] = []
+    for name, module in modules.items():
+        if name:
+            listed += [(name, LayerRef(name), type(module).__name__)]
+            listed += [(LayerRef(name, input=True).name, LayerRef(name, input=True), type(module).__name__)]
+    sites = [ref for _, ref, _ in listed]
     try:
-        small = output_shapes(model, run, example)
+        small = output_shapes(model, run, example, sites)
     except Exception as e:  # noqa: BLE001 - the model's own complaint, on one line
         raise model_failed(example, e) from None
     try:
-        large = output_shapes(model, run, larger)
+        large = output_shapes(model, run, larger, sites)
     except Exception:  # noqa: BLE001 - a fixed input size: the layouts fall back to the other rules
         large = {}
-    modules = dict(model.named_modules())
-    listed = [(name, LayerRef(name), type(module).__name__) for name, module in modules.items() if name]
-    for alias, ref in (aliases or {}).items():
-        target = ref.module if ref.selector is None else f"{ref.module}:{ref.selector}"
-        listed.append((alias, ref, f"-> {target}"))
+    listed += [(alias, ref, f"-> {ref.target}") for alias, ref in (aliases or {}).items()]
     return [
         (name, kind, *_shape_and_layout(ref, modules[ref.module], small, large, batch_size(example), hints))
         for name, ref, kind in listed
@@ -199,18 +204,21 @@ def _shape_and_layout(
     batch: int,
     hints: Mapping[str, str] | None,
 ) -> tuple[str, str]:
-    """One --list-layers row's output shape and layout (blank where there is none)."""
-    shapes = small.get(ref.module)
+    """One --list-layers row's shape and layout (blank where there is none)."""
+    shapes = small.get(ref.site)
     if shapes is None:
         return "(not run)", ""
     if len(shapes) > 1:
         return f"{describe(shapes[0], batch)} (runs {len(shapes)}x: not capturable)", ""
     tree = shapes[0]
+    if ref.input and not isinstance(tree, torch.Size):  # see extract.capture.layers.module_input
+        given = "no positional argument nor hidden_states=" if tree == "NoneType" else describe(tree, batch)
+        return f"{given} (not a tensor: not capturable)", ""
     own = selected_shape(tree, ref.selector)
     shown = own if ref.selector is not None else tree
     layout = None
     if own is not None and own and own[0] == batch:
-        big = large.get(ref.module, [None])[0]
+        big = large.get(ref.site, [None])[0]
         big_shape = selected_shape(big, ref.selector) if big is not None else None
         layout = infer_layout(ref.module, module, own, big_shape, hints)
     return describe(shown, batch), str(layout or "")

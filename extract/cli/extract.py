@@ -28,9 +28,9 @@ CONFIG = Option(
 )
 LIST_LAYERS = Option(
     help="print every module with its output shape, then exit",
-    reference="print every module (and alias) with its class, output shape for a batch of B dummy images (for "
-    "text models, B sequences of T tokens) and layout (NCHW, NHWC, NLC, NCL), then exit; builds the "
-    "architecture only, never downloads",
+    reference="print every module (its output, then its input as `name@input`) and every alias (with the "
+    "tensor it is) with its class, shape for a batch of B dummy images (for text models, B sequences of T "
+    "tokens) and layout (NCHW, NHWC, NLC, NCL), then exit; builds the architecture only, never downloads",
 )
 
 

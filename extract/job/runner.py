@@ -199,7 +199,8 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     # the weights have loaded (the model's transform is given to the images afterwards)
     data = _data(spec, state, existing)
     loaded, precision = _load_model(spec, state.device)
-    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases)  # a wrong name: refused before the forward
+    # a wrong name (or an alias this model has no tensor for): refused before the forward
+    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases)
     # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns
     _attach_model(spec, state, data, loaded)
@@ -348,7 +349,8 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
         options=spec.to_dict(), data=data.dataset.spec, weights=loaded.weights,
         checkpoint_sha256=loaded.checkpoint_sha256,
         source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
-        layers=[ref.name for ref in model.refs], shapes=layers.shapes, pools=layers.pools,
+        layers=[ref.name for ref in model.refs], resolved_layers={ref.name: ref.target for ref in model.refs},
+        shapes=layers.shapes, pools=layers.pools,
         layouts=layers.stored_layouts(), data_listing_sha256=data.dataset.listing_sha256(),
         model_pooling=layers.model_pooling.record() if isinstance(layers, TextLayerSetup) and layers.model_pooling else None,
         classes=data.dataset.classes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,

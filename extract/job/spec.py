@@ -193,11 +193,14 @@ class JobSpec:
         default_factory=list,
         metadata=option(
             metavar="L",
-            help="module names, globs (layer*), or name:0 / name:key",
+            help="module names, globs (layer*), name:0 / name:key, or name@input",
             reference="names from `named_modules()`, globs (`layer*`, `blocks.*`: `*` stays within one dotted "
-            "segment), `name:0` / `name:key` for one element of a tuple or dict output, and for `hf:` models "
+            "segment), `name:0` / `name:key` for one element of a tuple or dict output, `name@input` for what the "
+            "module receives (its first positional argument, else its `hidden_states=`), and for `hf:` models "
             "`hidden_states.N` (numbered as `output_hidden_states`: 0 is the embeddings' output; negative N "
-            "counts from the end). Required, unless `--list-layers`",
+            "counts from the end) and, for GPT-2, Llama, Mistral, Qwen2, Gemma, Gemma 2 and GPT-NeoX causal LMs, "
+            "TransformerLens's hook names (`blocks.N.hook_resid_pre`, ...; see docs/language-models.md). "
+            "Required, unless `--list-layers`",
         ),
     )
     data: str = field(

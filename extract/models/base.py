@@ -48,7 +48,9 @@ class LoadedModel:
 
     ``preprocess`` maps a PIL image to a (3, H, W) float tensor and runs in DataLoader workers;
     ``input_name`` is the keyword the model takes its pixels by (``pixel_values`` for transformers),
-    ``None`` for a positional argument. ``aliases`` are extra layer names (``hidden_states.N``) and
+    ``None`` for a positional argument. ``aliases`` are extra layer names (``hidden_states.N``,
+    TransformerLens's ``blocks.N.hook_resid_pre``), ``absent_aliases`` the names of that kind this
+    model has no tensor for, with why (``--layers`` says it in one line), and
     ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
     knows it and the shapes cannot tell (see ``extract.capture.layout``). ``kind`` says what it
     takes: ``"image"`` here, ``"text"`` for ``extract.models.hf_text.TextModel``.
@@ -63,6 +65,7 @@ class LoadedModel:
     source: str = ""
     checkpoint_sha256: str | None = None
     aliases: dict[str, LayerRef] = field(default_factory=dict)
+    absent_aliases: dict[str, str] = field(default_factory=dict)
     input_name: str | None = None
     layout_hints: dict[str, str] = field(default_factory=dict)
 

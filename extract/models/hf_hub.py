@@ -1,7 +1,7 @@
 """What both ``hf:`` sources (vision, ``extract.models.hf``; text, ``extract.models.hf_text``) share:
 where a model's files are (a ``save_pretrained`` directory, the Hugging Face cache, the hub), loading a
-part of it with messages that name the missing file, and the ``hidden_states.N`` aliases found in one
-forward. A module of its own, so that neither source imports the other's loaders.
+part of it with messages that name the missing file, the ``hidden_states.N`` aliases found in one
+forward, and TransformerLens's hook names (text; the table is ``extract.capture.lens``). A module of its own, so that neither source imports the other's loaders.
 
 transformers and huggingface_hub are imported only when a model is built."""
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..capture import Capture
+from ..capture.lens import lens_aliases
 from ..errors import ExtractError
 from ..names.layers import LayerRef
 from .base import download_failed
@@ -158,3 +159,21 @@ def hidden_state_aliases(
             alias = f"hidden_states.{number}"
             aliases[alias] = LayerRef(found[-1].module, found[-1].selector, alias=alias)
     return aliases
+
+
+def transformer_lens_aliases(
+    model: nn.Module, config: Any, example: Any, call: Callable[[Callable[..., Any], Any], Any]
+) -> tuple[dict[str, LayerRef], dict[str, str]]:
+    """TransformerLens's hook names of a causal LM -> the tensors they are, and the names it has no
+    tensor for -> why (``extract.capture.lens.lens_aliases``), decided by one forward of ``example``
+    under ``Capture``; none where that forward fails (as ``hidden_state_aliases``)."""
+
+    def shapes_of(refs: list[LayerRef]) -> dict[str, list[Any]]:
+        with Capture(model, refs, retain="shape") as cap, torch.inference_mode():
+            call(model, example)
+        return cap.by_module()
+
+    try:
+        return lens_aliases(model, config, shapes_of)
+    except Exception:  # noqa: BLE001 - a model that cannot run here just has no such names
+        return {}, {}

@@ -43,7 +43,7 @@ import torch
 from ..errors import ExtractError
 from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling
 from .base import LoadedModel, ModelRequest
-from .hf_hub import hidden_state_aliases, load_pretrained, model_file
+from .hf_hub import hidden_state_aliases, load_pretrained, model_file, transformer_lens_aliases
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TEXT_PARTS = "model and tokenizer"  # what a save_pretrained directory of a text model holds, for messages
@@ -486,4 +486,6 @@ def build(name: str, request: ModelRequest) -> TextModel:
         max_positions=max_positions(config), sentence=sentence, sentence_missing=looked,
     )  # fmt: skip
     loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call)
+    lens, loaded.absent_aliases = transformer_lens_aliases(model, config, loaded.example(1), loaded.call)
+    loaded.aliases.update(lens)
     return loaded

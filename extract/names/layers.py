@@ -1,4 +1,4 @@
-"""Layer names every stage shares: ``LayerRef`` (one captured output and the name a store calls it),
+"""Layer names every stage shares: ``LayerRef`` (one captured output or input, and the name a store calls it),
 ``matches_glob`` (the one-segment globs of ``--layers`` and of a store's layers), ``closest`` (the
 suggestions an unknown name gets) and ``shape_text`` (the shape every message shows). Resolving
 patterns against a model is capture's machinery (``extract.capture.layers``)."""
@@ -10,22 +10,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+# ``NAME@input``: what module NAME receives rather than what it returns. Not ``NAME:input``: ``:``
+# already selects an element of an output (``NAME:0``, ``NAME:key``), and a dict output may well
+# have a key "input"; no module name of PyTorch, timm or transformers holds an ``@``.
+INPUT_SUFFIX = "@input"
+
 
 @dataclass(frozen=True)
 class LayerRef:
-    """One captured output: ``module`` is a name from ``named_modules()``; ``selector`` picks
-    an element of a tuple/list (an index) or dict (a key) output; ``alias`` is the source's name for
-    it (``hidden_states.3``), when it was asked for by that. ``name`` is how the store calls it."""
+    """One captured tensor: ``module`` is a name from ``named_modules()``; ``input`` says it is what
+    the module receives (its first positional argument, else its ``hidden_states`` keyword), not
+    what it returns; ``selector`` picks an element of a tuple/list (an index) or dict (a key)
+    output; ``alias`` is the source's name for it (``hidden_states.3``, ``blocks.3.hook_resid_pre``),
+    when it was asked for by that. ``name`` is how the store calls it, ``target`` what it resolved to."""
 
     module: str
     selector: int | str | None = None
     alias: str | None = None
+    input: bool = False
+
+    @property
+    def target(self) -> str:
+        """``module``, ``module:selector`` or ``module@input``: the tensor itself, whatever it is called."""
+        if self.input:
+            return f"{self.module}{INPUT_SUFFIX}"
+        return self.module if self.selector is None else f"{self.module}:{self.selector}"
+
+    @property
+    def site(self) -> str:
+        """Where a hook sees it: the module's output (``module``) or its input (``module@input``)."""
+        return f"{self.module}{INPUT_SUFFIX}" if self.input else self.module
 
     @property
     def name(self) -> str:
-        if self.alias is not None:
-            return self.alias
-        return self.module if self.selector is None else f"{self.module}:{self.selector}"
+        return self.alias if self.alias is not None else self.target
 
 
 def matches_glob(pattern: str, name: str) -> bool:

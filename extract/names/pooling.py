@@ -120,4 +120,7 @@ def per_layer(
 
 
 def _pattern_hits(pattern: str, ref: LayerRef) -> bool:
-    return any(pattern == name or matches_glob(pattern, name) for name in {ref.name, ref.module})
+    # an alias answers to its module's name too (--pool transformer.h.2=mean for hidden_states.3), but a
+    # module's input only to NAME@input: the module's name is its output's
+    names = {ref.name, ref.target} | (set() if ref.input else {ref.module})
+    return any(pattern == name or matches_glob(pattern, name) for name in names)

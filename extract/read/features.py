@@ -279,6 +279,14 @@ class Features:
         return list(self.attrs["layers"])
 
     @cached_property
+    def resolved_layers(self) -> dict[str, str]:
+        """Each layer's name -> the tensor it is in the model: a module's output (``transformer.h.3``,
+        ``transformer.h.3.attn:0``) or input (``transformer.h.3@input``), whatever alias the job asked
+        for it by (``hidden_states.3``, ``blocks.3.hook_resid_pre``); empty for stores written before
+        the store recorded it."""
+        return dict(self.attrs.get("resolved_layers") or {})
+
+    @cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {layer: tuple(self.array(layer).shape[1:]) for layer in self.layers}
 

@@ -81,6 +81,7 @@ class JobParts:
     preprocess: str  # the repr of the model's own transform: it decides the stored values
     preprocessing: Mapping[str, Any]  # that transform described field by field
     layers: Sequence[str]  # resolved layer names, in the order asked
+    resolved_layers: Mapping[str, str]  # each layer's name -> the tensor it is: module, module:0, module@input
     shapes: Mapping[str, tuple[int, ...]]  # stored shape per sample, per layer
     pools: Mapping[str, str]
     layouts: Mapping[str, str | None]  # stored layout per layer (none once pooled)
@@ -147,6 +148,7 @@ class JobParts:
             **({"image_root": self.image_root} if self.image_root is not None else {}),
             "classes": self.classes,
             "layers": list(self.shapes),
+            "resolved_layers": dict(self.resolved_layers),
             "feature_shapes": {name: list(shape) for name, shape in self.shapes.items()},
             "versions": dict(self.versions),
             "runs": [],
