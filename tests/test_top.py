@@ -80,11 +80,12 @@ def _chunks(indices, values, seed, as_torch=False, device="cpu"):
     return chunks
 
 
-@pytest.mark.parametrize("as_torch", [False, True])
-def test_top_equals_brute_force_over_dense_codes(as_torch):
+@pytest.mark.parametrize(("as_torch", "block_entries"), [(False, 2**19), (True, 2**19), (True, 100)])
+def test_top_equals_brute_force_over_dense_codes(as_torch, block_entries):
     num_latents, width, k = 40, 8, 5
     indices, values = _codes(3000, num_latents, width, seed=0)
-    top = top_contexts(_chunks(indices, values, seed=1, as_torch=as_torch), num_latents, k)
+    chunks = _chunks(indices, values, seed=1, as_torch=as_torch)
+    top = top_contexts(chunks, num_latents, k, block_entries=block_entries)
     active, dense = _dense(indices, values, num_latents)
     rows, best, counts, hist = _brute_force(active, dense, k, DEFAULT_EDGES)
     np.testing.assert_array_equal(top.rows, rows)
@@ -103,6 +104,7 @@ def test_latents_that_never_fire_and_custom_edges():
     values = np.array([[1.0, 0.0], [3.0, 0.5], [0.0, 0.0]], dtype=np.float32)
     edges = np.array([0.25, 1.0, 2.0])
     top = top_contexts([(10, indices, values)], num_latents=4, k=3, edges=edges)
+    assert indices[0, 1] == -1 and values[0, 0] == 1.0  # the caller's arrays are left as they were
     active, dense = _dense(indices, values, 4)
     rows, best, counts, hist = _brute_force(active, dense, 3, edges)
     np.testing.assert_array_equal(top.rows, rows + np.where(rows >= 0, 10, 0))

@@ -88,53 +88,90 @@ class TopContexts:
 
 
 class TopAccumulator:
-    """The streaming state: ``add`` each chunk, then ``result``."""
+    """The streaming state: ``add`` each chunk, then ``result``.
+
+    A chunk is taken in blocks of about ``block_entries`` entries. Each block's entries are compared
+    with their latent's current k-th best (one gather); the few that beat it wait in a pending buffer,
+    which is merged into the lists once it holds ``num_latents x k`` entries (and at the end), so a merge
+    (sorting the touched lists with the pending entries) costs O(log) per pending entry, amortised.
+    Padding (index -1) is counted against a spare latent ``num_latents`` whose k-th best is +inf, so the
+    one filter drops it too."""
 
     def __init__(
-        self, num_latents: int, k: int, edges: np.ndarray | None = None, device: torch.device | str | None = None
+        self,
+        num_latents: int,
+        k: int,
+        edges: np.ndarray | None = None,
+        device: torch.device | str | None = None,
+        block_entries: int = 2**19,
     ) -> None:
-        self.num_latents, self.k, self.device = num_latents, k, device
+        self.num_latents, self.k, self.device, self.block_entries = num_latents, k, device, block_entries
         self.edges = np.asarray(DEFAULT_EDGES if edges is None else edges, dtype=np.float32)
         self.total_rows = 0
         self._state: dict[str, torch.Tensor] | None = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending_entries = 0
+        self._rows_end = 0  # past the highest row seen: a chunk from there on cannot tie from a lower row
 
     def _start(self, device: torch.device) -> dict[str, torch.Tensor]:
-        shape, bins = (self.num_latents, self.k), len(self.edges) + 1
-        return {
-            "value": torch.full(shape, -torch.inf, device=device),
-            "row": torch.full(shape, -1, dtype=torch.int64, device=device),
-            "count": torch.zeros(self.num_latents, dtype=torch.int64, device=device),
-            "hist": torch.zeros(self.num_latents * bins, dtype=torch.int64, device=device),
-            "edges": torch.from_numpy(self.edges).to(device),
+        latents, bins = self.num_latents + 1, len(self.edges) + 1
+        edges = torch.from_numpy(self.edges).to(device)
+        # float16 codes (the stored kind) take one of 65536 bit patterns: bin each once, then look it up
+        patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        state = {
+            "value": torch.full((latents, self.k), -torch.inf, device=device),
+            "row": torch.full((latents, self.k), -1, dtype=torch.int64, device=device),
+            "last_value": torch.full((latents,), -torch.inf, device=device),  # the k-th best, contiguous
+            "last_row": torch.full((latents,), -1, dtype=torch.int64, device=device),
+            "hist": torch.zeros(latents * bins, dtype=torch.int64, device=device),
+            "edges": edges,
+            "bins16": torch.bucketize(patterns.to(device), edges, right=True),
         }
+        state["last_value"][-1] = torch.inf  # the spare latent of the padding: nothing beats it
+        return state
 
     def add(self, row_start: int, indices: Any, values: Any) -> None:
         """One chunk: rows ``row_start ..`` with their codes (index -1: inactive)."""
         index = torch.as_tensor(indices)
         device = torch.device(self.device) if self.device is not None else index.device
         state = self._state = self._state or self._start(device)
-        index = index.to(device, torch.int64)
-        value = torch.as_tensor(values).to(device, torch.float32)
-        rows, width = index.shape
-        self.total_rows += rows
-        row = torch.arange(row_start, row_start + rows, device=device).repeat_interleave(width)
-        active = index.reshape(-1) >= 0
-        latent, value, row = index.reshape(-1)[active], value.reshape(-1)[active], row[active]
-        state["count"] += torch.bincount(latent, minlength=self.num_latents)
-        bins = len(self.edges) + 1
-        bucket = torch.bucketize(value, state["edges"], right=True)  # number of edges <= value
-        state["hist"] += torch.bincount(latent * bins + bucket, minlength=self.num_latents * bins)
-        self._merge(state, latent, value, row)
+        index, value = index.to(device), torch.as_tensor(values).to(device)
+        self.total_rows += len(index)
+        step = max(1, self.block_entries // max(index.shape[1], 1))
+        for start in range(0, len(index), step):
+            self._add(state, row_start + start, index[start : start + step], value[start : start + step])
+            if self._pending_entries >= self.num_latents * self.k:
+                self._merge(state)
 
-    def _merge(
-        self, state: dict[str, torch.Tensor], latent: torch.Tensor, value: torch.Tensor, row: torch.Tensor
-    ) -> None:
-        last_value, last_row = state["value"][latent, -1], state["row"][latent, -1]
-        better = (value > last_value) | ((value == last_value) & (row < last_row))
-        latent, value, row = latent[better], value[better], row[better]
-        if not len(latent):
+    def _add(self, state: dict[str, torch.Tensor], row_start: int, index: torch.Tensor, value: torch.Tensor) -> None:
+        width = index.shape[1]
+        latent = (
+            index.reshape(-1).to(torch.int64).remainder(self.num_latents + 1)
+        )  # -1: the spare latent (no copy: not in place)
+        value = value.reshape(-1)
+        if value.dtype == torch.float16:
+            bucket = state["bins16"][value.view(torch.int16).to(torch.int64) & 0xFFFF]
+        else:
+            bucket = torch.bucketize(value.to(torch.float32), state["edges"], right=True)  # edges <= value
+        state["hist"] += torch.bincount(latent * (len(self.edges) + 1) + bucket, minlength=len(state["hist"]))
+        value = value.to(torch.float32)
+        last = state["last_value"][latent]
+        better = value > last
+        if row_start < self._rows_end:  # an earlier chunk: an equal value beats the k-th best from a lower row
+            tie = torch.nonzero(value == last).squeeze(1)
+            better[tie] |= row_start + tie // width < state["last_row"][latent[tie]]
+        self._rows_end = max(self._rows_end, row_start + len(index))
+        position = torch.nonzero(better).squeeze(1)
+        self._pending.append((latent[position], value[position], row_start + position // width))
+        self._pending_entries += len(position)
+
+    def _merge(self, state: dict[str, torch.Tensor]) -> None:
+        """Merge the pending entries into their latents' lists: three stable sorts and one scatter."""
+        if not self._pending_entries:
             return
-        touched = torch.unique(latent)
+        latent, value, row = (torch.cat(parts) for parts in zip(*self._pending, strict=True))
+        self._pending, self._pending_entries = [], 0
+        touched = torch.nonzero(torch.bincount(latent, minlength=self.num_latents + 1)).squeeze(1)
         held = state["row"][touched].reshape(-1) >= 0
         latent = torch.cat([touched.repeat_interleave(self.k)[held], latent])
         value = torch.cat([state["value"][touched].reshape(-1)[held], value])
@@ -147,14 +184,18 @@ class TopAccumulator:
         keep = rank < self.k
         state["value"][latent[keep], rank[keep]] = value[keep]
         state["row"][latent[keep], rank[keep]] = row[keep]
+        state["last_value"][touched] = state["value"][touched, -1]
+        state["last_row"][touched] = state["row"][touched, -1]
 
     def result(self) -> TopContexts:
         state = self._state or self._start(torch.device("cpu"))
-        rows = state["row"].cpu().numpy()
-        values = state["value"].cpu().numpy()
+        self._merge(state)
+        latents = self.num_latents
+        rows = state["row"][:latents].cpu().numpy()
+        values = state["value"][:latents].cpu().numpy()
         values[rows < 0] = np.nan
-        hist = state["hist"].view(self.num_latents, -1).cpu().numpy()
-        return TopContexts(rows, values, state["count"].cpu().numpy(), self.total_rows, hist, self.edges.copy())
+        hist = state["hist"].view(latents + 1, -1)[:latents].cpu().numpy()
+        return TopContexts(rows, values, hist.sum(1), self.total_rows, hist, self.edges.copy())
 
 
 def top_contexts(
@@ -163,9 +204,10 @@ def top_contexts(
     k: int = 20,
     edges: np.ndarray | None = None,
     device: torch.device | str | None = None,
+    block_entries: int = 2**19,
 ) -> TopContexts:
     """Each latent's ``k`` best (row, value), its frequency and histogram, in one pass over ``chunks``."""
-    accumulator = TopAccumulator(num_latents, k, edges, device)
+    accumulator = TopAccumulator(num_latents, k, edges, device, block_entries)
     for row_start, indices, values in chunks:
         accumulator.add(row_start, indices, values)
     return accumulator.result()
@@ -402,7 +444,7 @@ STYLE = (
     ".ctx{font-family:ui-monospace,monospace;white-space:pre-wrap;margin:0;padding:.25em 0;border-bottom:1px solid #eee}"
     ".tok{border-radius:2px}.tok.top{outline:1.5px solid #b30;font-weight:bold}"
     ".hist{display:flex;align-items:flex-end;height:40px;gap:1px;margin:.3em 0}.hist div{background:#999;width:5px}"
-    ".meta{color:#666;font-size:85%;font-family:system-ui,sans-serif}"
+    ".meta{color:#666;font-size:85%;font-family:system-ui,sans-serif}.ctx .meta{display:inline-block;min-width:18em}"
 )
 HIGHLIGHT = (255, 140, 0)  # the activation colour; its opacity is the activation over the latent's largest
 
