@@ -99,18 +99,19 @@ def test_top_equals_brute_force_over_dense_codes(as_torch, block_entries):
     assert sum(ties) > num_latents // 2  # the order among equal values was tested
 
 
-def test_latents_that_never_fire_and_custom_edges():
-    indices = np.array([[2, -1], [2, 0], [-1, -1]], dtype=np.int64)
-    values = np.array([[1.0, 0.0], [3.0, 0.5], [0.0, 0.0]], dtype=np.float32)
-    edges = np.array([0.25, 1.0, 2.0])
-    top = top_contexts([(10, indices, values)], num_latents=4, k=3, edges=edges)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])  # float16: binned by its bit pattern
+def test_latents_that_never_fire_negative_codes_and_custom_edges(dtype):
+    indices = np.array([[2, -1], [2, 0], [-1, -1], [3, 0]], dtype=np.int64)
+    values = np.array([[1.0, 0.0], [3.0, 0.5], [0.0, 0.0], [-0.75, 2.0]], dtype=dtype)
+    edges = np.array([-0.5, 0.25, 1.0, 2.0])
+    top = top_contexts([(10, indices, values)], num_latents=5, k=3, edges=edges)
     assert indices[0, 1] == -1 and values[0, 0] == 1.0  # the caller's arrays are left as they were
-    active, dense = _dense(indices, values, 4)
+    active, dense = _dense(indices, values, 5)
     rows, best, counts, hist = _brute_force(active, dense, 3, edges)
     np.testing.assert_array_equal(top.rows, rows + np.where(rows >= 0, 10, 0))
     np.testing.assert_array_equal(top.values, best)
     np.testing.assert_array_equal(top.histogram, hist)
-    assert list(top.active_latents()) == [0, 2] and top.rows[1].tolist() == [-1, -1, -1]
+    assert hist[3, 0] == 1 and list(top.active_latents()) == [0, 2, 3] and top.rows[1].tolist() == [-1, -1, -1]
     assert TopAccumulator(4, 3).result().total_rows == 0  # no chunk at all
 
 

@@ -12,11 +12,11 @@ its sparse codes (numpy or torch, any device): rows ``row_start .. row_start + n
 largest latents, index -1 past the active ones. An entry is *active* when its index is >= 0. For every
 latent the pass keeps its ``k`` best (row, value): value descending, ties to the lower row, whatever the
 order the chunks come in. It is vectorised in torch and runs where the chunks' tensors are (or on
-``device``): a chunk's entries that cannot beat their latent's current k-th best are dropped by one
-gather and compare; the survivors and the touched latents' current lists are merged by three stable
-sorts (row, then value descending, then latent) and each latent's first k written back with one scatter.
-Work is linear in the nonzeros plus a sort of the survivors (few, once the lists fill); memory is
-O(num_latents x (k + bins)) plus one chunk.
+``device``): a block of entries is compared with each latent's current k-th best (one gather); the
+few that beat it wait in a buffer that is merged into the lists by three stable sorts (row, then value
+descending, then latent) and one scatter once it holds ``num_latents x k`` entries. Work is linear in
+the nonzeros plus sorts whose cost per buffered entry is O(log), and few entries beat a full list;
+memory is O(num_latents x (k + bins)) plus one chunk (measured: ``benchmarks/sae_top.py``).
 
 **Frequency and histogram.** ``counts[l]`` is the rows where latent l is active, ``frequency = counts /
 total_rows``. The histogram is over fixed edges, the same for every latent and known before the pass (so
