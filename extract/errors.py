@@ -150,6 +150,21 @@ class UnusableLayerError(ExtractError):
         return f"skipped layer '{self.layer}' of {self.store}: {self.reason}"
 
 
+class SaeMissingError(ExtractError, ImportError):
+    """``--sae`` was given but sae_lens (the ``sae`` extra) is not installed."""
+
+
+class SaeNotFoundError(ExtractError, FileNotFoundError):
+    """An ``--sae`` path that is not a directory in SAELens's saved format (``cfg.json`` beside
+    ``sae_weights.safetensors``): the message names the file that is missing."""
+
+
+class SaeMismatchError(ExtractError, ValueError):
+    """An SAE that does not fit the layer it was given for (its ``d_in`` against the layer's width, its
+    hook name against the layer), or a saved SAE this version cannot encode with exactly (an unknown
+    architecture, a normalization whose statistics are not in the directory, a single attention head)."""
+
+
 class ExportError(ExtractError, ValueError):
     """A store that cannot be exported as asked, or a destination that must not be written."""
 

@@ -133,6 +133,9 @@ def test_the_interrupt_line_counts_the_whole_job():
         ("extract.analysis.samples", "UnusableLayerError", None),
         ("extract.analysis.export", "ExportError", ValueError),
         ("extract.capture.tokens", "TextShapeError", ValueError),
+        ("extract.capture.sae", "SaeMissingError", ImportError),
+        ("extract.capture.sae", "SaeNotFoundError", FileNotFoundError),
+        ("extract.capture.sae", "SaeMismatchError", ValueError),
     ],
 )
 def test_every_error_lives_in_errors_and_keeps_its_old_import_path(module, name, builtin):
