@@ -27,7 +27,7 @@ from zarr.codecs import Crc32cCodec
 from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreNotFoundError
 from ..names import Kind
 from ..names.layout import Layout
-from . import objects, remote, stats
+from . import dtypes, objects, remote, stats
 from .chunks import Plan
 from .fence import ROOT_METADATA, FencedStore, lost_lock, writer_of
 from .location import from_object_storage, is_url, open_store, storage_error
@@ -368,10 +368,11 @@ class _Skeleton:
                 layer,
                 shape=(self.num_samples, *shape),
                 chunks=(self.chunk_size, *shape),
-                dtype=self.dtype,
-                fill_value=np.nan,
+                dtype=dtypes.zarr_dtype(self.dtype),  # bfloat16: its bits (``dtypes.py``)
+                fill_value=dtypes.fill_value(self.dtype),
                 compressors=checked(codecs(self.compressor)),
                 dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), self.kind.row),
+                attributes=dtypes.attributes(self.dtype),
             )
 
     def _stats(self, root: zarr.Group, num_chunks: int) -> list[str]:
@@ -863,7 +864,7 @@ class FeatureStore:
             array = self.array(f"features/{layer}")
             array[start:stop] = values
             if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
-                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(np.asarray(values, dtype=array.dtype))
+                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(dtypes.as_stored(values, array))
         if labels is not None:
             self.array("labels")[start:stop] = labels
         if valid is not None:
