@@ -25,9 +25,18 @@ def narrows(source: torch.dtype, target: torch.dtype) -> bool:
 
 
 def finite_peak(value: torch.Tensor) -> torch.Tensor:
-    """The largest finite |x| of ``value`` (0 for none), a float32 scalar on ``value``'s device."""
-    magnitude = value.detach().abs()
-    return torch.nan_to_num_(magnitude, nan=0.0, posinf=0.0).amax().float()
+    """The largest finite |x| of ``value`` (0 for none), a float32 scalar on ``value``'s device.
+
+    On the CPU one pass, ``aminmax`` (as fast as the cast's copy; abs, nan_to_num and amax take 5x
+    that), unless the batch holds the model's own inf or NaN; on a GPU the three passes always (no
+    synchronization to ask which, and they cost microseconds at its bandwidth)."""
+    value = value.detach()
+    if value.device.type == "cpu":
+        low, high = torch.aminmax(value)
+        peak = torch.maximum(low.abs(), high.abs())
+        if bool(torch.isfinite(peak)):  # no synchronization to pay on the CPU
+            return peak.float()
+    return torch.nan_to_num_(value.abs(), nan=0.0, posinf=0.0).amax().float()
 
 
 def overflows(peak: float, dtype: torch.dtype | str) -> bool:
