@@ -1,4 +1,4 @@
 """The store: its schema (format, codecs, identity and attributes), the chunk geometry every stage
-shares, the zarr group a job writes and reads, the background writer, the lock beside it, and
-verification. An open store is read, listed, sized and pruned through zarr's store API (``objects``);
+shares, the zarr group a job writes and reads, the storage dtypes (bfloat16 as its bits: dtypes.py), the
+background writer, the lock beside it, and verification. An open store is read, listed, sized and pruned through zarr's store API (``objects``);
 claiming ``--out`` and building the store beside it and renaming it into place are filesystem steps."""

@@ -29,8 +29,8 @@ class Slot(Protocol):
 
 class Staging(Protocol):
     """The pool the staged batches come from (``extract.capture.staging.HostStaging``): its dtype, its
-    number of slots, and a slot's wait (for its copies, raising ``CastOverflowError`` where the cast to
-    the storage dtype made an inf) and release (back to the pool)."""
+    number of slots, and a slot's ``ready`` (a wait for its copies, raising ``CastOverflowError`` where
+    the cast to the storage dtype made an inf) and ``release`` (back to the pool)."""
 
     dtype: torch.dtype
     num_slots: int
