@@ -89,6 +89,12 @@ class WriterError(ExtractError, RuntimeError):
     exit_code = 1
 
 
+class CastOverflowError(ExtractError, OverflowError):
+    """A layer's values that the cast to the storage dtype would turn into inf (beyond float16's 65504):
+    the job stops instead of storing them, naming the layer, the largest |x| and the dtypes that hold it.
+    Exit status 2: the command line's ``--dtype`` does not fit the model."""
+
+
 class PoolShapeError(ExtractError, ValueError):
     """A ``--pool`` (or a reader's ``pool=``) that does not fit an output's shape or layout; ``for_layer``
     says it for the layer of the command line."""

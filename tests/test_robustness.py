@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -11,12 +10,15 @@ import time
 
 import numpy as np
 import pytest
+import tiny_models
+import torch
 import zarr
 from conftest import ROOT, TINY, make_png_tree
 from forked import fork_run, fork_start, fork_wait
 from launches import launcher, rank_pids
-from reference import load_images, reference, resnet18
+from reference import load_images, reference, resnet18, synthetic_images
 
+from extract import open_features
 from extract.store.lock import lock_path, process_namespace
 from extract.store.store import FeatureStore
 
@@ -144,27 +146,38 @@ def test_each_way_the_bad_image_message_offers_works(cli, tmp_path):
     assert group.attrs["status"] == "complete" and group["valid"][:].all() and group["valid"].shape == (11,)
 
 
-def test_float16_overflow_is_reported_with_the_layer(cli, tmp_path):
-    code, _, err = cli(
-        "--model",
-        f"{TINY}:loud_net",
-        "--layers",
-        "conv",
-        "--data",
-        "synthetic:4",
-        "--image-size",
-        "32",
-        "--num-workers",
-        "0",
-        "--out",
-        tmp_path / "loud.zarr",
-    )
+def test_a_value_float16_would_make_inf_stops_the_job_in_one_line_and_bfloat16_starts_over(cli, tmp_path):
+    """Issue 31: massive_net's channel 5 passes 65504 on some images. The batch whose cast would store inf
+    stops the job (exit 2, one line: the layer, its largest |x|, the fix); the chunks before it are written
+    and intact; the store resumes only as float16, and --dtype bfloat16 --overwrite starts it over."""
+    out = tmp_path / "massive.zarr"
+    job = ["--model", f"{TINY}:massive_net", "--layers", "conv", "--pool", "avg", "--data", "synthetic:12",
+           "--image-size", "32", "--num-workers", "0", "--chunk-size", "1", "--batch-size", "1", "--out", out]  # fmt: skip
+    model = tiny_models.massive_net().eval()
+    expected = reference(model, synthetic_images(12), {"conv": ("conv", None)}, "avg")["conv"]
+    with np.errstate(over="ignore"):
+        first = int(np.flatnonzero(np.isinf(expected.astype(np.float16)).any(axis=1))[0])
+    assert 0 < first < 11  # written chunks before it, and data after it
+    code, _, err = cli(*job)
+    line = one_line_error(err)
+    assert code == 2 and "layer 'conv'" in line and f"|x| = {np.abs(expected[first]).max():.4g}" in line, line
+    assert "--dtype bfloat16" in line and "--dtype float32" in line and "--overwrite" in line
+    group = zarr.open_group(out, mode="r")
+    assert group["done"][:].tolist() == [k < first for k in range(12)] and group.attrs["status"] == "running"
+    stored = group["features/conv"][:]
+    assert not np.isinf(stored).any() and np.isnan(stored[first:]).all()
+    np.testing.assert_array_equal(stored[:first], expected[:first].astype(np.float16))
+    assert not lock_path(out).exists() and sorted(p.name for p in tmp_path.iterdir()) == ["massive.zarr"]
+    code, _, err = cli(*job)  # the same job resumes, and stops at the same batch
+    assert code == 2 and one_line_error(err) == line and "resuming" in err
+    code, _, err = cli(*job, "--dtype", "bfloat16")
+    assert code == 2 and "holds a different job" in one_line_error(err)
+    code, _, err = cli(*job, "--dtype", "bfloat16", "--overwrite")
     assert code == 0, err
-    warning = [line for line in err.splitlines() if "WARNING" in line]
-    assert warning and "layer 'conv'" in warning[0] and "float16" in warning[0] and "--dtype float32" in warning[0]
-    count = int(re.search(r"(\d+) values beyond", warning[0]).group(1))
-    stored = zarr.open_group(tmp_path / "loud.zarr", mode="r")["features/conv"][:]
-    assert count == np.isinf(stored).sum() > 0
+    f = open_features(out)
+    assert f.storage_dtypes == {"conv": "bfloat16"}
+    stored = f.load("conv", dtype=None, as_torch=True)
+    assert torch.equal(stored.view(torch.int16), torch.from_numpy(expected).to(torch.bfloat16).view(torch.int16))
 
 
 def _disk_full_at_chunk_3():

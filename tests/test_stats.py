@@ -17,7 +17,7 @@ from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.errors import ExtractError, StoreDamagedError
 from extract.store.skeleton import Skeleton
-from extract.store.stats import chunk_row, columns
+from extract.store.stats import HEAD, chunk_row, columns
 from extract.store.store import FeatureStore
 
 TEXT_LAYERS = ["transformer.h.0", "hidden_states.3"]
@@ -74,6 +74,8 @@ def numpy_stats(values: np.ndarray) -> dict:
         "max_abs": np.abs(rows).max(),
         "sum": rows.sum(axis=0),
         "sumsq": np.square(rows).sum(axis=0),
+        "float16_overflow": int((np.isfinite(rows) & (np.abs(rows) > 65504)).sum()),
+        "infinite": int(np.isinf(rows).sum()),
     }
 
 
@@ -89,13 +91,14 @@ def assert_stats_equal_numpy(path, layer: str) -> dict:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-12, err_msg=name)
     assert got["mean_norm"] == pytest.approx(expected["mean_norm"], rel=1e-12)
     assert got["max_abs"] == expected["max_abs"]
+    assert (got["float16_overflow"], got["infinite"]) == (expected["float16_overflow"], expected["infinite"])
     # SAELens's ActivationScaler: sqrt(d_in) / mean of acts.norm(dim=-1), here over every counted row
     acts = torch.from_numpy(stored.astype(np.float64))
     acts = acts[~torch.isnan(acts).any(dim=1)]
     assert got["scaling_factor"] == pytest.approx(math.sqrt(acts.shape[1]) / acts.norm(dim=-1).mean().item(), rel=1e-12)
     rows = zarr.open_group(path, mode="r")[f"stats/{layer}"]
     columns = rows.attrs["columns"]
-    assert rows.dtype == np.float64 and rows.shape == (f.num_chunks, 3 + 2 * stored.shape[1])
+    assert rows.dtype == np.float64 and rows.shape == (f.num_chunks, len(HEAD) + 2 * stored.shape[1])
     assert rows.chunks == (1, rows.shape[1])
     for k in range(f.num_chunks):
         chunk = numpy_stats(stored[k * f.chunk_size : (k + 1) * f.chunk_size])
@@ -236,11 +239,12 @@ def test_a_store_from_before_statistics_reads_as_before(capsys, monkeypatch, tmp
 def test_a_chunk_row_leaves_out_nan_rows_and_counts_infinite_ones():
     values = np.array([[1, -2], [np.nan, 0], [3, 4], [0, np.nan]], dtype=np.float16)
     row, at = chunk_row(values), columns(2)
-    assert row.shape == (3 + 2 * 2,) and row.dtype == np.float64
+    assert row.shape == (5 + 2 * 2,) and row.dtype == np.float64
     assert row[slice(*at["count"])].tolist() == [2] and row[slice(*at["max_abs"])].tolist() == [4]
     assert row[slice(*at["sum_norm"])][0] == pytest.approx(math.sqrt(5) + 5, rel=1e-15)
     assert row[slice(*at["sum"])].tolist() == [4, 2] and row[slice(*at["sumsq"])].tolist() == [10, 20]
     beyond = np.array([[np.inf, 1], [2, 2]], dtype=np.float16)  # a value beyond float16's range, as stored
     row = chunk_row(beyond)
     assert row[slice(*at["count"])].tolist() == [2] and np.isinf(row[slice(*at["max_abs"])]).all()
+    assert row[slice(*at["infinite"])].tolist() == [1] and row[slice(*at["float16_overflow"])].tolist() == [0]
     assert row[slice(*at["sum"])].tolist() == [np.inf, 3]

@@ -63,6 +63,48 @@ def loud_net() -> nn.Module:
     return net
 
 
+def loud_bias_net() -> nn.Module:
+    """``Loud`` whose conv bias is beyond float16's range: even the set-up forward's zeros give 1e6 and more."""
+    torch.manual_seed(0)
+    net = Loud()
+    with torch.no_grad():
+        net.conv.bias.copy_(torch.tensor([2e6, -1e6, 3.5e5, 7e4]))
+    return net
+
+
+def massive_net() -> nn.Module:
+    """A few massive channels, as in large language models: channel k's weights scaled by 10**k, so that
+    channels 4 and 5 straddle float16's 65504 from image to image and the rest stay far below it."""
+    torch.manual_seed(0)
+    net = TinyConv()
+    with torch.no_grad():
+        net.conv.weight.mul_(torch.logspace(0, 5, 6).view(6, 1, 1, 1))
+        net.conv.bias.zero_()
+    return net
+
+
+class OwnInf(nn.Module):
+    """Sets channel 0 of its input to +inf: the model's own infinity, not a cast's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.full_like(x[:, :1], torch.inf), x[:, 1:]], dim=1)
+
+
+class OwnInfNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=4)
+        self.own = OwnInf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own(self.conv(x)).mean(dim=(2, 3))
+
+
+def own_inf_net() -> nn.Module:
+    torch.manual_seed(0)
+    return OwnInfNet()
+
+
 class TinyConv(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -55,7 +55,7 @@ from ..read.features import Features, open_features
 
 BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
 SHARD_BYTES = 500 * 10**6  # rows per arrow file: datasets' own default max_shard_size ("500MB")
-DTYPES = ("float16", "float32")  # what a float16 / float32 store exports to (arrow has no bfloat16)
+DTYPES = ("float16", "float32")  # what a store exports to (arrow has no bfloat16: a bfloat16 store gives float32)
 METADATA = "extract_export.json"
 
 
@@ -163,7 +163,8 @@ def export_saelens(
 
     ``hook_name`` names the column (default: the layer's name; SAELens's config must give the same
     ``hook_name``, e.g. ``blocks.6.hook_resid_post``). ``dtype`` is the column's (``float16`` or
-    ``float32``; default: the store's). ``shard_contexts`` rows per arrow file (default: about 500 MB
+    ``float32``; default: the store's, float32 for a bfloat16 store; float16 is refused for a layer whose
+    statistics say it holds a value float16 would make inf). ``shard_contexts`` rows per arrow file (default: about 500 MB
     each). An existing ``out_dir`` is refused unless ``overwrite``, which replaces only a saved dataset
     (or an empty directory), and only once the new one is complete. ``progress`` shows a bar of the
     contexts written on stderr (when it is a terminal).
@@ -208,7 +209,7 @@ def _checked_options(
         raise ExportError(
             f"layer '{layer}' of {features.path} is stored as {list(array.shape[1:])} per token, not (D,)"
         )
-    dtype = str(np.dtype(array.dtype)) if dtype is None else dtype
+    dtype = str(features.dtypes[layer]) if dtype is None else dtype  # bfloat16: float32
     if dtype not in DTYPES:
         raise ExportError(f"dtype '{dtype}': the cache holds {' or '.join(DTYPES)}")
     if shard_contexts is not None and shard_contexts < 1:
@@ -280,11 +281,18 @@ def _plan(
     per_shard = shard_contexts or max(1, SHARD_BYTES // context_bytes)
     per_block = max(1, BLOCK_BYTES // context_bytes)
     try:
-        scaling_factor: float | None = float(features.stats(layer)["scaling_factor"])
+        stats: dict[str, Any] | None = features.stats(layer)
     except StoreDamagedError:
         raise
     except ExtractError:  # written before stores kept statistics
-        scaling_factor = None
+        stats = None
+    with np.errstate(over="ignore"):
+        if dtype == "float16" and stats is not None and np.isinf(np.float16(stats["max_abs"])):
+            raise ExportError(
+                f"layer '{layer}' of {features.path} holds |x| up to {stats['max_abs']:.4g}, which float16 "
+                "would make inf; export it as float32"
+            )
+    scaling_factor = None if stats is None else float(stats["scaling_factor"])
     return _Export(
         features, layer, hook_name, dtype, context_size, d_in, contexts, per_shard, per_block, scaling_factor
     )

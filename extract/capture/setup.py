@@ -17,6 +17,7 @@ from ..errors import ExtractError, PoolShapeError, TextShapeError
 from ..names.layers import LayerRef, shape_text
 from ..names.layout import Layout
 from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling, Pool, make_pool, per_layer
+from .cast import check_batch
 from .hooks import Capture
 from .layers import describe
 from .layout import infer_layout, selected_shape
@@ -78,10 +79,12 @@ def setup_layers(
     layout: Sequence[str] | None,
     example: torch.Tensor,
     autocast: Any,
+    dtype: torch.dtype | None = None,
 ) -> LayerSetup:
     """``example`` is a batch of 2 at the model's input size, on the model's device. One forward
     captures the layers whole (validating them), a second at twice the size tells their layouts;
-    the pooling is then tried on what the first captured."""
+    the pooling is then tried on what the first captured, and what it leaves must fit the storage
+    ``dtype`` (``CastOverflowError`` where a value would be stored as inf, before anything is written)."""
     outputs = _capture(loaded, model, refs, example, autocast)
 
     def run(x: torch.Tensor) -> Any:
@@ -96,7 +99,10 @@ def setup_layers(
     layouts = _layouts(model, refs, outputs, large, layout, loaded.layout_hints)
     pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
     reduce = {ref.name: make_pool(pools[ref.name], layouts[ref.name]) for ref in refs}
-    shapes = {ref.name: _stored_shape(ref, outputs[ref.name], reduce[ref.name], len(example)) for ref in refs}
+    stored = {ref.name: _reduced(ref, outputs[ref.name], reduce[ref.name]) for ref in refs}
+    shapes = {ref.name: _stored_shape(ref, stored[ref.name], len(example)) for ref in refs}
+    for name, value in stored.items():
+        check_batch(name, value, dtype, "in the set-up forward")
     return LayerSetup(pools, reduce, layouts, shapes)
 
 
@@ -124,14 +130,19 @@ def _layouts(
     return layouts
 
 
-def _stored_shape(ref: LayerRef, value: torch.Tensor, reduce: Pool | None, batch: int) -> tuple[int, ...]:
-    """The shape stored per sample: the pooling tried on the captured batch, whose first axis must be the batch."""
-    if reduce is not None:
-        try:
-            with torch.inference_mode():
-                value = reduce(value)
-        except PoolShapeError as e:
-            raise e.for_layer(ref.name) from None
+def _reduced(ref: LayerRef, value: torch.Tensor, reduce: Pool | None) -> torch.Tensor:
+    """The pooling tried on the captured batch: what would be stored."""
+    if reduce is None:
+        return value
+    try:
+        with torch.inference_mode():
+            return reduce(value)
+    except PoolShapeError as e:
+        raise e.for_layer(ref.name) from None
+
+
+def _stored_shape(ref: LayerRef, value: torch.Tensor, batch: int) -> tuple[int, ...]:
+    """The shape stored per sample of the (pooled) captured batch, whose first axis must be the batch."""
     if value.dim() == 0 or value.shape[0] != batch:
         raise ExtractError(
             f"layer '{ref.name}' gives shape {shape_text(value.shape)} for a batch of {batch}: "
@@ -267,11 +278,14 @@ def setup_text_layers(
     example: Mapping[str, torch.Tensor],
     autocast: Any,
     model_pooling: Callable[[], ModelPooling] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> TextLayerSetup:
     """One forward of ``example`` (input_ids and attention_mask, (B, T)) validates the layers: each must
     give (B, T, ...). Every layer is either stored per token (``--pool none``) or pooled per document
     (mean, max, first, last, or ``model``: what ``model_pooling()`` says, which raises where the model
-    names no pooling of its own): a job is one or the other."""
+    names no pooling of its own): a job is one or the other. A layer stored per token must fit the
+    storage ``dtype`` on the example (``CastOverflowError`` otherwise); a pooled one is checked batch by
+    batch, as every layer is (``HostStaging``)."""
     pools = {name: value or "none" for name, value in per_layer(pool, refs, "pool", "none").items()}
     if len({value == "none" for value in pools.values()}) > 1:
         given = ", ".join(f"{name}={value}" for name, value in pools.items())
@@ -303,6 +317,8 @@ def setup_text_layers(
             raise TextShapeError(shape, batch).for_layer(ref.name)  # type: ignore[arg-type]
         shapes[ref.name] = shape[2:]
         layouts[ref.name] = Layout.NLC if len(shape) == 3 else None
+        if chosen == "none":  # its rows are the example's tokens (all real: no padding)
+            check_batch(ref.name, outputs[ref.name], dtype, "in the set-up forward")
     return TextLayerSetup(
         pools, reduce, layouts, shapes, selection=selection, per_token=all(value == "none" for value in pools.values()),
         model_pooling=applied,

@@ -12,13 +12,18 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from . import cast
+
 
 class Slot:
     """Host buffers for one batch; ``events`` mark the end of its device-to-host copies (CUDA), one per
-    device the batch's layers came from."""
+    device the batch's layers came from. ``peaks`` hold each layer's largest finite |x| before the cast
+    to the storage dtype, for the layers in ``checked`` (those whose cast can overflow)."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+    def __init__(self, buffers: dict[str, torch.Tensor], peaks: dict[str, torch.Tensor]) -> None:
         self.buffers = buffers
+        self.peaks = peaks
+        self.checked: set[str] = set()
         self.events: dict[torch.device, torch.cuda.Event] = {}  # reused batch after batch
         self.sources: set[torch.device] = set()  # the devices this batch copied from
 
@@ -31,6 +36,10 @@ class HostStaging:
     to the hook, the source is a fresh tensor (cast and made contiguous on the compute stream, so a
     later in-place op in the forward cannot race the copy) kept alive with ``record_stream``, and the
     slot's events are what the writer waits on. Elsewhere ``stage`` is a plain synchronous copy.
+
+    A cast that can overflow (float32 or bfloat16 to float16) is checked without a synchronization: the
+    batch's largest finite |x| is computed on its stream and copied with it, and ``ready`` (the writer's wait,
+    before it reads the slot) raises ``CastOverflowError`` where the cast made an inf (``cast.py``).
     """
 
     def __init__(
@@ -53,7 +62,8 @@ class HostStaging:
                 name: torch.empty((batch_size, *shape), dtype=dtype, pin_memory=self.cuda)
                 for name, shape in shapes.items()
             }
-            self._free.put(Slot(buffers))
+            peaks = {name: torch.zeros((), dtype=torch.float32, pin_memory=self.cuda) for name in shapes}
+            self._free.put(Slot(buffers, peaks))
 
     def acquire(self, check: Callable[[], None] = lambda: None) -> Slot:
         """A free slot, made the one ``stage`` fills; waits while all are in use (backpressure),
@@ -63,6 +73,7 @@ class HostStaging:
             try:
                 self.current = self._free.get(timeout=0.1)
                 self.current.sources.clear()
+                self.current.checked.clear()
                 return self.current
             except queue.Empty:
                 continue
@@ -75,8 +86,13 @@ class HostStaging:
         slot = self.current
         assert slot is not None, "acquire() a slot before the forward"
         target = slot.buffers[name][: value.shape[0]]
+        peak = cast.finite_peak(value) if value.numel() and cast.narrows(value.dtype, self.dtype) else None
+        if peak is not None:
+            slot.checked.add(name)
         if value.device.type != "cuda":
             target.copy_(value)
+            if peak is not None:
+                slot.peaks[name].copy_(peak)
             return
         source = value.device
         stream = self.copy_streams.get(source)
@@ -86,7 +102,11 @@ class HostStaging:
         stream.wait_stream(torch.cuda.current_stream(source))
         with torch.cuda.stream(stream):
             target.copy_(fresh, non_blocking=True)
+            if peak is not None:
+                slot.peaks[name].copy_(peak, non_blocking=True)
         fresh.record_stream(stream)
+        if peak is not None:
+            peak.record_stream(stream)
         slot.sources.add(source)
 
     def seal(self, slot: Slot) -> None:
@@ -101,3 +121,9 @@ class HostStaging:
     def wait(slot: Slot) -> None:
         for source in slot.sources:
             slot.events[source].synchronize()
+
+    def ready(self, slot: Slot) -> None:
+        """``wait`` for the slot's copies, then raise ``CastOverflowError`` if the cast made an inf of a value."""
+        self.wait(slot)
+        for name in sorted(slot.checked):
+            cast.check(name, float(slot.peaks[name]), self.dtype, "in a batch of the data")

@@ -18,7 +18,7 @@ from ..store.store import FeatureStore
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, LoaderWorkerSignals, StopRequests
 from .plan import ChunkBatchSampler
-from .resources import default_workers, default_writer_threads, warn_overflow
+from .resources import default_workers, default_writer_threads, warn_infinite
 
 
 def _loader(job: Any, chunks: list[int], workers: LoaderWorkerSignals) -> DataLoader:
@@ -72,7 +72,7 @@ def image_loop(
         raise
     finally:  # on every way out: the workers go now, not at exit, where multiprocessing joins them
         workers.release()
-    warn_overflow(writer.overflow)
+    warn_infinite(writer.infinite)
     if stop.signum is not None:
         raise Interrupted(stop.signum, writer.chunks_written)
     if bad_image is not None:

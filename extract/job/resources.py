@@ -26,11 +26,12 @@ def default_writer_threads(device: torch.device) -> int:
     return 2 if device.type != "cuda" else min(8, max(2, _cpus_per_process() // 2))
 
 
-def warn_overflow(overflow: Mapping[str, int]) -> None:
-    for layer, count in overflow.items():
+def warn_infinite(infinite: Mapping[str, int]) -> None:
+    """The infinities the writer stored: the model's own (a cast that would make one stops the job)."""
+    for layer, count in infinite.items():
         if count:
             tqdm.write(
-                f"extract: WARNING layer '{layer}': {count} values beyond the float16 range were stored as inf; "
-                "use --dtype float32 to keep them",
+                f"extract: WARNING layer '{layer}': {count} values were inf in the model's own output, stored as "
+                "computed (not by the cast to --dtype)",
                 file=sys.stderr,
             )

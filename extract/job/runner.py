@@ -251,7 +251,9 @@ def _set_up_layers(
         module = loaded.model if spec.device_map else loaded.model.to(device)
         device = input_device(module)
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
-        text_layers = setup_text_layers(loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling)
+        text_layers = setup_text_layers(
+            loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling, dtype=getattr(torch, spec.dtype)
+        )
         return _Model(
             loaded, module, refs, text_layers, loaded.preprocessing, precision, autocast, torch.contiguous_format
         )
@@ -259,7 +261,7 @@ def _set_up_layers(
     memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
     module = loaded.model.to(device, memory_format=memory_format)
     example = loaded.example(2, device).to(memory_format=memory_format)
-    layers = setup_layers(loaded, module, refs, spec.pool, spec.layout, example, autocast)
+    layers = setup_layers(loaded, module, refs, spec.pool, spec.layout, example, autocast, getattr(torch, spec.dtype))
     return _Model(loaded, module, refs, layers, loaded.preprocessing, precision, autocast, memory_format)
 
 

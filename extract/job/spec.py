@@ -17,7 +17,7 @@ from ..errors import ExtractError
 from ..store.location import Location, parse
 from ..store.schema import COMPRESSORS, codecs
 
-DTYPES = ("float16", "float32")
+DTYPES = ("float16", "bfloat16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICE_MAPS = ("auto",)
 MAX_TIMEOUT = 7 * 24 * 3600  # a barrier waited on for longer than a week is a hang, not a slow peer
@@ -269,8 +269,15 @@ class JobSpec:
         default="float16",
         metadata=option(
             check=_one_of(DTYPES),
-            help=f"storage dtype: {' | '.join(DTYPES)} (default float16)",
-            reference="storage `float16` (default) or `float32`",
+            help=f"storage dtype: {' | '.join(DTYPES)} (default float16; a value float16 would store as inf "
+            "stops the job: use bfloat16); storage only: the model computes in --precision",
+            reference="storage `float16` (default), `bfloat16` or `float32`. A value beyond float16's range "
+            "(|x| from 65520, as the massive activations of large language models) stops the job in one line "
+            "naming the layer and its largest |x|, rather than storing inf: `bfloat16` holds float32's range in "
+            "2 bytes (8 bits of precision to float16's 11). The storage dtype is not the compute dtype: "
+            "`--precision` is (`hf:` text models load their weights in it, bf16 by default on CUDA, whose "
+            "outputs `--dtype bfloat16` stores exactly). zarr has no bfloat16: such a layer is stored as its "
+            "`uint16` bits, read back as `torch.bfloat16` or float32 (see the store format)",
         ),
     )
     precision: str | None = field(

@@ -24,7 +24,7 @@ from ..store.store import FeatureStore
 from ..store.text_arrays import TextArrays
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, StopRequests
-from .resources import default_writer_threads, warn_overflow
+from .resources import default_writer_threads, warn_infinite
 from .spec import JobSpec
 from .text import ChunkColumns, TextBatch, TextBatches
 
@@ -258,7 +258,7 @@ def text_loop(
     except BaseException:
         writer.abort()
         raise
-    warn_overflow(writer.overflow)
+    warn_infinite(writer.infinite)
     if stop.signum is not None:
         raise Interrupted(stop.signum, writer.chunks_written)
 

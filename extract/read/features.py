@@ -27,6 +27,7 @@ from ..errors import (
 from ..names import Kind
 from ..names.layers import closest
 from ..names.pooling import make_pool
+from ..store import dtypes as storage
 from ..store.chunks import Plan
 from ..store.integrity import decodes
 from ..store.location import Location, locate
@@ -121,12 +122,16 @@ def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iter
 
 def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
     """An uninitialized tensor in numpy's memory: numpy asks for transparent huge pages for large
-    arrays, so filling it page-faults far less than filling a ``torch.empty`` (2x faster here)."""
+    arrays, so filling it page-faults far less than filling a ``torch.empty`` (2x faster here). bfloat16,
+    which numpy has not, is numpy's bytes in a torch view."""
+    if dtype == storage.BFLOAT16:
+        return torch.from_numpy(np.empty((*shape, 2), dtype=np.uint8)).view(torch.bfloat16).view(shape)
     try:
         return torch.from_numpy(np.empty(shape, dtype=np.dtype(dtype)))
     except TypeError:
         raise ExtractError(
-            f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64)"
+            f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64, or bfloat16 "
+            "with as_torch=True)"
         ) from None
 
 
@@ -195,15 +200,15 @@ def _load_into(
     array: zarr.Array, rows: _Rows, reduce: Any, out: torch.Tensor, blocks: list, as_torch: bool
 ) -> np.ndarray | torch.Tensor:
     """``blocks`` of ``array`` into ``out``, each reduced by ``reduce`` (None: as stored), in the caller's order."""
-    if reduce is None and out.numpy().dtype == array.dtype:
+    target = storage.numpy_view(out, array)  # None when the stored values need a conversion
+    if reduce is None and target is not None:
         # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
-        target = out.numpy()
         for selection, at in blocks:
             _read(array, selection, target[at:])
     else:
         compute_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
         for (_, at), block in zip(blocks, _prefetched(array, [selection for selection, _ in blocks]), strict=True):
-            values = torch.from_numpy(block)
+            values = storage.as_tensor(block, storage.is_bfloat16(array))
             if reduce is not None:
                 values = reduce(values.to(compute_dtype))
             out[at : at + len(values)] = values
@@ -292,7 +297,14 @@ class Features:
 
     @cached_property
     def dtypes(self) -> dict[str, np.dtype]:
-        return {layer: np.dtype(self.array(layer).dtype) for layer in self.layers}
+        """Each layer's numpy dtype as ``load(dtype=None)`` returns it: float32 for a bfloat16 layer (numpy
+        has no bfloat16; ``storage_dtypes`` names what is stored)."""
+        return {layer: np.dtype(storage.read_dtype(self.array(layer), as_torch=False)) for layer in self.layers}
+
+    @cached_property
+    def storage_dtypes(self) -> dict[str, str]:
+        """Each layer's storage dtype (``--dtype``): ``float16``, ``bfloat16`` or ``float32``."""
+        return {layer: storage.stored_name(self.array(layer)) for layer in self.layers}
 
     @cached_property
     def labels(self) -> np.ndarray:
@@ -392,15 +404,18 @@ class Features:
         ``avg:K``) over H, W of a (C, H, W) map (or an (H, W, C) one, as the store's ``layouts`` say),
         ``cls`` / ``mean`` over the tokens of a (T, D) output.
         Pooling is computed in float32 (float64 if asked) block by block, so a pooled read never holds
-        the whole full-size layer. ``dtype=None`` keeps the stored dtype. Returns numpy, or torch
-        with ``as_torch=True``.
+        the whole full-size layer. ``dtype=None`` keeps the stored dtype; a bfloat16 layer reads as
+        ``torch.bfloat16`` with ``as_torch=True`` (the stored bits, no conversion) and as float32 in numpy,
+        which has no bfloat16. Returns numpy, or torch with ``as_torch=True``.
         """
         array = self.array(layer)
         rows = _normalize(index, self.num_samples)
         reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
+        if dtype == storage.BFLOAT16 and not as_torch:
+            raise ExtractError(f"load({layer!r}, dtype='bfloat16'): numpy has no bfloat16; pass as_torch=True")
         pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
         shape = _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled)
-        out = _empty((rows.count, *shape), dtype or array.dtype)
+        out = _empty((rows.count, *shape), dtype or storage.read_dtype(array, as_torch))
         blocks = list(_blocks(rows, array, self.chunk_size))
         return self._reads.checked(
             f"features/{layer}",
@@ -482,7 +497,7 @@ class Features:
         return labels[rows.inverse] if rows.inverse is not None else labels
 
     def __repr__(self) -> str:
-        layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.dtypes[layer]}" for layer in self.layers)
+        layers = ", ".join(f"{layer} {list(self.shapes[layer])} {self.storage_dtypes[layer]}" for layer in self.layers)
         state = "complete" if self.complete else f"{int(self.present.sum())}/{self.num_samples} present"
         if self.kind is Kind.TOKENS:
             pack = self.pack

@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ExcludeRuleError, ExtractError
 from ..names import Kind
+from ..store import dtypes as storage
 from ..store.chunks import Plan
 from ..store.location import check_not_forked, locate
 from .dataset import _rank_and_world_size
@@ -241,7 +242,7 @@ class TokenStream(IterableDataset):
                 values = self._read_stored(
                     features, layer, chunk, np.empty((stop - start, array.shape[1]), array.dtype)
                 )
-                norms[layer].append(_norms(values)[keep])
+                norms[layer].append(_norms(storage.as_tensor(values, storage.is_bfloat16(array)))[keep])
         medians = {layer: float(np.median(np.concatenate(found))) for layer, found in norms.items()}
         if any(not np.isfinite(m) for m in medians.values()):
             raise ExtractError(
@@ -308,7 +309,7 @@ class TokenStream(IterableDataset):
                 pool.shutdown(wait=True, cancel_futures=True)
             self._spare = [allocated]
 
-    def _under_norm(self, layer: str, values: np.ndarray) -> np.ndarray | bool:
+    def _under_norm(self, layer: str, values: torch.Tensor) -> np.ndarray | bool:
         """The rows of ``values`` that ``high_norm`` keeps (True without the rule)."""
         if self.rules.high_norm is None:
             return True
@@ -346,16 +347,20 @@ class TokenStream(IterableDataset):
         for layer in self.layers:
             array = features.array(layer)
             target = buffers[layer][at : at + stop - start]
-            if _same_dtype(self.dtype, array.dtype):  # zarr decodes straight into the window
-                keep &= self._under_norm(layer, self._read_stored(features, layer, chunk, target.numpy()))
+            direct = storage.numpy_view(target, array)
+            if direct is not None:  # zarr decodes straight into the window (bfloat16 too: its bits)
+                self._read_stored(features, layer, chunk, direct)
+                keep &= self._under_norm(layer, target)
                 continue
             mine = scratch.get()  # a thread's chunk: a fresh one each time would page-fault on every chunk
             try:
                 stored = mine.get(layer)
                 if stored is None:
                     stored = mine[layer] = np.empty((self.chunk_size, array.shape[1]), dtype=array.dtype)
-                values = self._read_stored(features, layer, chunk, stored)
-                target.copy_(torch.from_numpy(values))
+                values = storage.as_tensor(
+                    self._read_stored(features, layer, chunk, stored), storage.is_bfloat16(array)
+                )
+                target.copy_(values)
                 keep &= self._under_norm(layer, values)
             finally:
                 scratch.put(mine)
@@ -390,16 +395,9 @@ def _row_bytes(values: torch.Tensor) -> np.ndarray:
     return values.view(torch.uint8).numpy()
 
 
-def _same_dtype(dtype: torch.dtype, stored: np.dtype) -> bool:
-    try:
-        return torch.empty(0, dtype=dtype).numpy().dtype == stored
-    except TypeError:  # bfloat16: numpy has none
-        return False
-
-
-def _norms(values: np.ndarray) -> np.ndarray:
+def _norms(values: torch.Tensor) -> np.ndarray:
     """(n,) float32 L2 norms of the rows, computed in float32."""
-    return torch.linalg.vector_norm(torch.from_numpy(values), dim=1, dtype=torch.float32).numpy()
+    return torch.linalg.vector_norm(values, dim=1, dtype=torch.float32).numpy()
 
 
 def _gather(tasks: list[tuple[Future | np.ndarray, int, int]]) -> _Window:

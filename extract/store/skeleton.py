@@ -15,7 +15,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from ..names import Kind
-from . import stats
+from . import dtypes, stats
 from .arrays import (
     DIGESTS,
     DOCUMENT_DIGESTS,
@@ -91,8 +91,9 @@ class Skeleton:
                 layer,
                 shape=(self.num_samples, *shape),
                 chunks=(self.chunk_size, *shape),
-                dtype=self.dtype,
-                fill_value=np.nan,
+                dtype=dtypes.zarr_dtype(self.dtype),  # bfloat16: its bits (``dtypes.py``)
+                fill_value=dtypes.fill_value(self.dtype),
+                attributes=dtypes.attributes(self.dtype),
                 compressors=checked(codecs(self.compressor)),
                 dimension_names=dimension_names(layer, len(shape), self.layouts.get(layer), self.kind.row),
             )

@@ -19,7 +19,7 @@ import numpy as np
 import zarr
 
 from ..names import Kind
-from . import objects, opening, stats
+from . import dtypes, objects, opening, stats
 from .arrays import DIGESTS, METADATA, members, row_arrays, undecodable
 from .chunks import Plan
 from .fence import ROOT_METADATA, lost_lock, writer_of
@@ -203,7 +203,7 @@ class FeatureStore:
             array = self.array(f"features/{layer}")
             array[start:stop] = values
             if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
-                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(np.asarray(values, dtype=array.dtype))
+                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(dtypes.as_stored(values, array))
         if labels is not None:
             self.array("labels")[start:stop] = labels
         if valid is not None:

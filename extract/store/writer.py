@@ -12,8 +12,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..errors import LockLostError, WriterError
+from ..errors import CastOverflowError, LockLostError, WriterError
 from ..names import Kind
+from . import dtypes
 from .chunks import Plan, chunk_segments
 from .location import described, from_object_storage
 from .store import FeatureStore
@@ -28,12 +29,13 @@ class Slot(Protocol):
 
 class Staging(Protocol):
     """The pool the staged batches come from (``extract.capture.staging.HostStaging``): its dtype, its
-    number of slots, and a slot's wait (for its copies) and release (back to the pool)."""
+    number of slots, and a slot's ``ready`` (a wait for its copies, raising ``CastOverflowError`` where
+    the cast to the storage dtype made an inf) and ``release`` (back to the pool)."""
 
     dtype: torch.dtype
     num_slots: int
 
-    def wait(self, slot: Any) -> None: ...
+    def ready(self, slot: Any) -> None: ...
 
     def release(self, slot: Any) -> None: ...
 
@@ -69,9 +71,10 @@ class ChunkWriter:
     Writes (encode + store) run on ``threads`` worker threads with at most ``threads`` chunks in
     flight, so host memory is bounded by the slot pool plus a few chunks. Any error is kept and
     re-raised in the caller's thread by ``check()``, ``submit()`` and ``close()``. Rows of invalid
-    samples (undecodable images) are stored as NaN; infinities in float16 storage (values beyond
-    its range) are counted per layer in ``overflow``. ``write_chunk`` also records each chunk's
-    statistics row of every 1-D layer (``stats.py``), on the same threads.
+    samples (undecodable images) are stored as NaN; stored infinities are counted per layer in
+    ``infinite`` (the model's own: a cast that would make one stops the job in ``staging.ready``,
+    ``CastOverflowError``). ``write_chunk`` also records each chunk's statistics row of every 1-D layer
+    (``stats.py``), on the same threads.
     """
 
     def __init__(
@@ -86,10 +89,10 @@ class ChunkWriter:
         self.rows_only = store.kind.text  # text stores: labels and valid were written at creation
         self.needs_columns = store.kind is Kind.TOKENS  # a token chunk is written with its token rows
         self.shapes = dict(shapes)
-        self.dtype = np.dtype(str(staging.dtype).removeprefix("torch."))
+        self.dtype = dtypes.host_dtype(staging.dtype)  # bfloat16: its bits, uint16
         self.threads = threads
         self.chunks_written = 0
-        self.overflow: dict[str, int] = dict.fromkeys(self.shapes, 0)
+        self.infinite: dict[str, int] = dict.fromkeys(self.shapes, 0)
         self._queue: queue.Queue[_Item | None] = queue.Queue(staging.num_slots)
         self._open: dict[int, _OpenChunk] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write")
@@ -99,7 +102,8 @@ class ChunkWriter:
         self._thread.start()
 
     def check(self) -> None:
-        if isinstance(self._error, LockLostError):  # not a failure of the writer: said as it is, exit 1
+        # not failures of the writer: said as they are (a lost lock, exit 1; a cast to inf, exit 2)
+        if isinstance(self._error, (LockLostError, CastOverflowError)):
             raise self._error
         if self._error is not None:
             raise WriterError(f"writing the store failed: {_described(self._error)}") from self._error
@@ -179,9 +183,10 @@ class ChunkWriter:
                 self.staging.release(item[0])
 
     def _consume(self, slot: Slot | None, indices: np.ndarray, labels: np.ndarray, valid: np.ndarray) -> None:
-        if slot is not None:
-            self.staging.wait(slot)
+        nan = dtypes.nan(self.dtype)
         try:
+            if slot is not None:
+                self.staging.ready(slot)  # raises CastOverflowError for a batch the cast turned into inf
             for chunk, first, end in chunk_segments(indices, self.plan.chunk_size):
                 open_chunk = self._opened(chunk)
                 rows, at_first = end - first, int(indices[first]) - open_chunk.start
@@ -189,7 +194,7 @@ class ChunkWriter:
                 if int(indices[end - 1]) - int(indices[first]) != rows - 1:  # a text batch keeps this rank's tokens
                     at = indices[first:end] - open_chunk.start
                 for name, values in open_chunk.features.items():
-                    values[at] = slot.buffers[name][first:end].numpy() if slot is not None else np.nan
+                    values[at] = dtypes.host_values(slot.buffers[name][first:end]) if slot is not None else nan
                 open_chunk.labels[at] = labels[first:end]
                 open_chunk.valid[at] = valid[first:end]
                 open_chunk.filled += rows
@@ -216,9 +221,8 @@ class ChunkWriter:
         invalid = ~chunk.valid
         for name, values in chunk.features.items():
             if invalid.any():  # rows of text stores are all valid here (empty documents come as NaN)
-                values[invalid] = np.nan
-            if values.dtype == np.float16:  # count ±inf on the bits: half the time of np.isinf
-                self.overflow[name] += int(np.count_nonzero((values.view(np.uint16) & 0x7FFF) == 0x7C00))
+                values[invalid] = dtypes.nan(values.dtype)
+            self.infinite[name] += dtypes.count_infinite(values)
         while len(self._inflight) >= self.threads:
             self._finish(self._inflight.popleft())
         self._inflight.append(
