@@ -1,4 +1,4 @@
-"""Export a packed token store to the activation cache SAELens trains from.
+"""Export a packed token store (or an image store's patches) to the activation cache SAELens trains from.
 
     export_saelens("packed.zarr", "cache", "transformer.h.6", hook_name="blocks.6.hook_resid_post")
 
@@ -22,8 +22,13 @@ settings a SAELens config needs (``hook_name``, ``context_size``, ``d_in``, ``tr
 the store's ``scaling_factor`` (``Features.stats``); ``load_from_disk`` ignores it.
 
 Only a packed store (``--pack T``) holds SAELens's contexts: T tokens each, starting with BOS, the
-documents concatenated with a separator, so context i is rows ``i*T:(i+1)*T``. A ragged token store,
-a document or an image store is refused, and so is an unfinished store.
+documents concatenated with a separator, so context i is rows ``i*T:(i+1)*T``. An image store's
+per-position layer (a ViT block or a conv map kept whole, ``--pool none``) exports too: a context is
+one image's T patches (``TokenStream``'s rows of it: a ViT's CLS and register tokens included, since
+SAELens's cached path reads whole contexts; a map's ``h * W + w``), there are no ``token_ids``
+(SAELens's ``ActivationsStore`` reads a cache without them), and images that could not be decoded
+(``valid`` False, stored as NaN) are left out. A ragged token store, a document store, a pooled image
+layer and an unfinished store are refused.
 
 The export streams: a block of whole contexts (about ``BLOCK_BYTES``) is read, written to the current
 shard and dropped, so memory holds one block whatever the layer's size. It is written into a hidden
@@ -42,6 +47,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,7 @@ from tqdm.auto import tqdm
 from ..errors import ExportError, ExtractError, StoreDamagedError
 from ..names import Kind
 from ..read.features import Features, open_features
+from ..read.sources import Rows, layer_rows
 
 BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
 SHARD_BYTES = 500 * 10**6  # rows per arrow file: datasets' own default max_shard_size ("500MB")
@@ -98,16 +105,14 @@ def _datasets() -> Any:
     return datasets
 
 
-def saelens_features(hook_name: str, context_size: int, d_in: int, dtype: str) -> Any:
+def saelens_features(hook_name: str, context_size: int, d_in: int, dtype: str, token_ids: bool = True) -> Any:
     """The ``datasets.Features`` of a SAELens activation cache, as ``CacheActivationsRunner.__init__``
-    (sae_lens/cache_activations_runner.py) builds them for one hook."""
+    (sae_lens/cache_activations_runner.py) builds them for one hook; without ``token_ids`` for images."""
     datasets = _datasets()
-    return datasets.Features(
-        {
-            hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype),
-            "token_ids": datasets.Sequence(datasets.Value(dtype="int32"), length=context_size),
-        }
-    )
+    columns = {hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype)}
+    if token_ids:
+        columns["token_ids"] = datasets.Sequence(datasets.Value(dtype="int32"), length=context_size)
+    return datasets.Features(columns)
 
 
 def _open(store: str | Path | Features) -> Features:
@@ -117,12 +122,13 @@ def _open(store: str | Path | Features) -> Features:
             f"{features.path} is not complete (status '{features.attrs.get('status')}'): rerun the same extract "
             "command to finish it, then export"
         )
-    if features.kind is not Kind.TOKENS:
-        kind = "an image" if features.kind is Kind.IMAGES else "a document (pooled per document)"
+    if features.kind is Kind.DOCUMENTS:
         raise ExportError(
-            f"{features.path} is {kind} store; SAELens trains on per-token activations: extract the text "
-            "model with --pack T (contexts of T tokens) and export that store"
+            f"{features.path} is a document (pooled per document) store; SAELens trains on per-token "
+            "activations: extract the text model with --pack T (contexts of T tokens) and export that store"
         )
+    if features.kind is Kind.IMAGES:
+        return features
     if features.pack is None:
         raise ExportError(
             f"{features.path} holds ragged documents, not contexts of equal length: re-extract with --pack T "
@@ -159,7 +165,8 @@ def export_saelens(
     overwrite: bool = False,
     progress: bool = False,
 ) -> SAELensCache:
-    """Write ``layer`` of the packed token store ``store`` to ``out_dir`` as SAELens's activation cache.
+    """Write ``layer`` of the packed token store ``store`` to ``out_dir`` as SAELens's activation cache
+    (or of an image store: a per-position layer, a context per valid image, no ``token_ids``).
 
     ``hook_name`` names the column (default: the layer's name; SAELens's config must give the same
     ``hook_name``, e.g. ``blocks.6.hook_resid_post``). ``dtype`` is the column's (``float16`` or
@@ -171,7 +178,8 @@ def export_saelens(
     datasets = _datasets()
     features = _open(store)
     array = features.array(layer)  # a LayerNotFoundError names the layers there are
-    if len(array.shape) != 2:
+    patches = _patches(features, layer) if features.kind is Kind.IMAGES else None
+    if patches is None and len(array.shape) != 2:
         raise ExportError(
             f"layer '{layer}' of {features.path} is stored as {list(array.shape[1:])} per token, not (D,)"
         )
@@ -186,12 +194,20 @@ def export_saelens(
     out = Path(out_dir)
     _check_destination(out, features.path, overwrite)
 
-    context_size = int(features.pack["context_length"])
-    d_in = int(array.shape[1])
-    tokens = int(array.shape[0])
-    if tokens % context_size:
-        raise ExportError(f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it")
-    contexts = tokens // context_size
+    if patches is None:
+        context_size, d_in = int(features.pack["context_length"]), int(array.shape[1])
+        tokens = int(array.shape[0])
+        if tokens % context_size:
+            raise ExportError(
+                f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it"
+            )
+        contexts = tokens // context_size
+        read = _token_contexts(features, layer, hook_name, dtype, context_size)
+    else:
+        context_size, d_in = patches.positions, patches.width
+        images = np.flatnonzero(features.valid)
+        contexts = len(images)
+        read = _image_contexts(features, layer, hook_name, dtype, patches, images)
     if contexts == 0:
         raise ExportError(f"{features.path} holds no context of {context_size} tokens")
     context_bytes = context_size * d_in * np.dtype(dtype).itemsize
@@ -205,7 +221,7 @@ def export_saelens(
     except ExtractError:  # written before stores kept statistics
         scaling_factor = None
 
-    schema = saelens_features(hook_name, context_size, d_in, dtype)
+    schema = saelens_features(hook_name, context_size, d_in, dtype, token_ids=patches is None)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -217,18 +233,8 @@ def export_saelens(
         files = []
         for shard in range(num_shards):
             name = f"data-{shard:05d}-of-{num_shards:05d}.arrow"
-            _write_shard(
-                staging / name,
-                schema,
-                features,
-                layer,
-                hook_name,
-                dtype,
-                range(shard * per_shard, min(contexts, (shard + 1) * per_shard)),
-                context_size,
-                per_block,
-                bar,
-            )
+            shard_range = range(shard * per_shard, min(contexts, (shard + 1) * per_shard))
+            _write_shard(staging / name, schema, read, shard_range, per_block, bar)
             files.append({"filename": name})
         _write_dataset_files(datasets, staging, schema, files, features, layer, hook_name)
         metadata = {
@@ -244,6 +250,9 @@ def export_saelens(
             "scaling_factor": scaling_factor,
             "pack": features.pack,
             "model": features.attrs.get("model"),
+            **(
+                {} if patches is None else {"patches": context_size, "images_left_out": features.num_samples - contexts}
+            ),
         }
         (staging / METADATA).write_text(json.dumps(metadata, indent=2, default=str) + "\n")
         _replace(staging, out)
@@ -257,18 +266,47 @@ def export_saelens(
     return SAELensCache(out, hook_name, contexts, context_size, d_in, dtype, num_shards, scaling_factor)
 
 
-def _write_shard(
-    path: Path,
-    schema: Any,
-    features: Features,
-    layer: str,
-    hook_name: str,
-    dtype: str,
-    contexts: range,
-    context_size: int,
-    per_block: int,
-    bar: tqdm,
-) -> None:
+Contexts = Callable[[int, int], dict[str, np.ndarray]]  # contexts first:last -> the dataset's columns
+
+
+def _patches(features: Features, layer: str) -> Rows:
+    """An image store's ``layer`` as patch rows, or an ``ExportError`` saying why it cannot be."""
+    shape = features.shapes[layer]
+    if len(shape) == 1:
+        raise ExportError(
+            f"layer '{layer}' of the image store {features.path} is pooled, one {shape} row per image; SAELens's "
+            "contexts are an image's patches: extract the layer with --pool none and export that store"
+        )
+    try:
+        return layer_rows(features, layer)
+    except ExtractError as e:
+        raise ExportError(str(e)) from None
+
+
+def _token_contexts(features: Features, layer: str, hook_name: str, dtype: str, context_size: int) -> Contexts:
+    def read(first: int, last: int) -> dict[str, np.ndarray]:
+        rows = slice(first * context_size, last * context_size)
+        values = np.asarray(features.load(layer, rows, dtype=dtype))
+        ids = features.load_token_ids(rows).astype(np.int32, copy=False)
+        return {
+            hook_name: values.reshape(last - first, context_size, -1),
+            "token_ids": ids.reshape(last - first, context_size),
+        }
+
+    return read
+
+
+def _image_contexts(
+    features: Features, layer: str, hook_name: str, dtype: str, patches: Rows, images: np.ndarray
+) -> Contexts:
+    def read(first: int, last: int) -> dict[str, np.ndarray]:
+        values = np.asarray(features.load(layer, images[first:last], dtype=dtype))
+        return {hook_name: patches.as_rows(values).reshape(last - first, patches.positions, patches.width)}
+
+    return read
+
+
+def _write_shard(path: Path, schema: Any, read: Contexts, contexts: range, per_block: int, bar: tqdm) -> None:
     """One arrow file of the contexts ``contexts``, written a block of ``per_block`` contexts at a time."""
     from datasets.arrow_writer import ArrowWriter
 
@@ -276,16 +314,9 @@ def _write_shard(
     try:
         for first in range(contexts.start, contexts.stop, per_block):
             last = min(contexts.stop, first + per_block)
-            rows = slice(first * context_size, last * context_size)
-            values = np.asarray(features.load(layer, rows, dtype=dtype))
-            ids = features.load_token_ids(rows).astype(np.int32, copy=False)
-            writer.write_batch(
-                {
-                    hook_name: values.reshape(last - first, context_size, -1),
-                    "token_ids": ids.reshape(last - first, context_size),
-                }
-            )
-            del values, ids
+            columns = read(first, last)
+            writer.write_batch(columns)
+            del columns
             bar.update(last - first)
         writer.finalize()
     finally:

@@ -376,18 +376,24 @@ class _Skeleton:
 
     def _stats(self, root: zarr.Group, num_chunks: int) -> list[str]:
         """The ``stats`` group (stores from before it have none), with ``stats/<layer>`` for each layer
-        stored as 1-D rows (``stats.py``): one row per chunk, one object each, written with the chunk.
-        Returns their paths, for the digests' columns."""
-        group, paths = root.create_group(STATS), []
-        for layer, shape in self.shapes.items():
-            if stats.has_stats(shape):
-                features, width = int(np.prod(shape)), stats.width(int(np.prod(shape)))
-                group.create_array(
-                    layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
-                    compressors=checked(codecs("zstd")), dimension_names=("chunk", f"{layer}.statistic"),
-                    attributes={"columns": stats.columns(features)},
-                )  # fmt: skip
-                paths.append(f"{STATS}/{layer}")
+        stored as 1-D rows or, per position, in a known layout (``stats.py``): one row per chunk, one object
+        each, written with the chunk. The group's ``layers`` lists them (stores from before per-position
+        statistics list none: theirs are the 1-D layers). Returns their paths, for the digests' columns."""
+        layers = [layer for layer, shape in self.shapes.items() if stats.has_stats(shape, self.layouts.get(layer))]
+        group, paths = root.create_group(STATS, attributes={"layers": layers}), []
+        for layer in layers:
+            shape, layout = self.shapes[layer], self.layouts.get(layer)
+            features = stats.row_features(shape, layout)
+            width = stats.width(features)
+            group.create_array(
+                layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
+                compressors=checked(codecs("zstd")), dimension_names=("chunk", f"{layer}.statistic"),
+                attributes={
+                    "columns": stats.columns(features), "shape": [features],
+                    "channel_axis": stats.channel_axis(shape, layout),
+                },
+            )  # fmt: skip
+            paths.append(f"{STATS}/{layer}")
         return paths
 
     def _per_sample(self, group: zarr.Group) -> None:
@@ -641,14 +647,18 @@ class FeatureStore:
             )
 
     def stats_layers(self) -> list[str] | None:
-        """The layers that have ``stats/<layer>`` (those stored as 1-D rows, ``stats.py``); None for a store
-        written before stores kept statistics (it has no ``stats`` group)."""
+        """The layers that have ``stats/<layer>`` (as the ``stats`` group lists them; in a store from before
+        the list, those stored as 1-D rows, ``stats.py``); None for a store written before stores kept
+        statistics (it has no ``stats`` group)."""
         if not self._stats_looked:  # asked once per chunk written: look once
             self._stats_looked = True
             if self.has(STATS):
+                listed = self.group[STATS].attrs.get("layers")
                 layers = self.attrs.get("layers", [])
                 self._stats_layers = [
-                    layer for layer in layers if stats.has_stats(self.array(f"features/{layer}").shape[1:])
+                    layer
+                    for layer in layers
+                    if (layer in listed if listed is not None else len(self.array(f"features/{layer}").shape) == 2)
                 ]
         return None if self._stats_layers is None else list(self._stats_layers)
 
@@ -863,7 +873,9 @@ class FeatureStore:
             array = self.array(f"features/{layer}")
             array[start:stop] = values
             if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
-                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(np.asarray(values, dtype=array.dtype))
+                rows = self.array(f"{STATS}/{layer}")
+                as_stored = np.asarray(values, dtype=array.dtype)
+                rows[chunk] = stats.chunk_row(as_stored, rows.attrs.get("channel_axis"))
         if labels is not None:
             self.array("labels")[start:stop] = labels
         if valid is not None:
