@@ -3,12 +3,12 @@ layers (a ViT block's patches, a conv map's positions), and the check that sever
 the same tokens, so that their rows can be read side by side (a crosscoder's models, a transcoder's or
 CLT's layers of two runs).
 
-Alignment is proven from what the stores recorded, not by reading them: the tokenizer's digest, the
-packing, the token count and chunking, the digests of the per-document arrays written at creation
-(``document_digests``) and the per-chunk digests of the token rows (``digests``: crc32c of each chunk
-object of ``token_ids``, ``special``, ``doc``, ``doc_position``). Only a chunk whose digests differ is
-read (the same ids compressed by another zstd build give other bytes), so stores that differ are told
-apart at their first differing chunk, and a store from before digests is read chunk by chunk.
+Alignment is proven without reading the token rows: the tokenizer's digest, the packing, the token
+count and chunking from the attributes, the documents' offsets (a few bytes each), then the crc32c that
+ends each chunk object of ``token_ids``, ``special``, ``doc`` and ``doc_position`` (the checksum codec's,
+4 bytes an object, as ``verify`` reads them). Only a chunk whose checksums differ is read and compared
+(the same ids compressed by another zstd build give other bytes), so stores that differ are told apart
+at their first differing chunk; a store from before checksums is read chunk by chunk.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from ..errors import ExtractError, UnalignedStoresError
 from ..names import Kind
 from ..store.chunks import Plan
-from ..store.store import DOCUMENT_DIGESTS, PACKED_ARRAYS, TOKEN_ARRAYS
+from ..store.store import PACKED_ARRAYS, TOKEN_ARRAYS
 from .features import Features
 
 # the layouts whose positions are rows: a token axis (L) or a map's height and width (H, W) beside C
@@ -154,14 +154,10 @@ def _pack_difference(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
 
 
 def _document_difference(a: Features, b: Features) -> str | None:
-    """The first document whose place differs (``offsets``; packed: the source documents' lengths),
-    compared by the digests recorded at creation, read only where those differ or are missing."""
+    """The first document whose place differs (``offsets``; packed: the source documents' lengths): a few
+    bytes a document, read whole."""
     names = ["offsets", *(["source_lengths"] if a.pack is not None else [])]
-    digests = [store.attrs.get(DOCUMENT_DIGESTS) or {} for store in (a, b)]
     for name in names:
-        recorded = [d.get(name) for d in digests]
-        if recorded[0] is not None and recorded[0] == recorded[1]:
-            continue
         values = [store._whole(name) for store in (a, b)]
         if len(values[0]) != len(values[1]):
             what = "documents (contexts)" if name == "offsets" else "source documents"
@@ -177,11 +173,12 @@ def _document_difference(a: Features, b: Features) -> str | None:
 
 def _token_difference(a: Features, b: Features) -> str | None:
     """The first token whose id (or special flag, source document, position in it) differs: chunks whose
-    recorded digests agree are the same objects; the others are read and compared."""
+    objects have the same crc32c are the same bytes; the others are read and compared."""
     names = [*TOKEN_ARRAYS, *(PACKED_ARRAYS if a.pack is not None else ())]
     plan = Plan(a.num_samples, a.chunk_size)
-    suspects = _chunks_whose_digests_differ(a, b, names, plan.num_chunks)
-    for k in suspects:
+    digests = [_object_digests(store, names, plan.num_chunks) for store in (a, b)]
+    suspects = (digests[0] != digests[1]).any(axis=1) | (digests[0] < 0).any(axis=1)
+    for k in np.flatnonzero(suspects).tolist():
         start, stop = plan.bounds(k)
         for name in names:
             values = [_chunk_of(store, name, k, start, stop) for store in (a, b)]
@@ -192,28 +189,14 @@ def _token_difference(a: Features, b: Features) -> str | None:
     return None
 
 
-def _chunks_whose_digests_differ(a: Features, b: Features, names: list[str], num_chunks: int) -> list[int]:
-    """The chunks where any of ``names`` may differ: those whose recorded crc32c differ (every chunk of a
-    store from before digests, or one whose digests do not read)."""
-    recorded = [_digest_columns(store, names) for store in (a, b)]
-    if recorded[0] is None or recorded[1] is None:
-        return list(range(num_chunks))
-    return np.flatnonzero((recorded[0] != recorded[1]).any(axis=1)).tolist()
-
-
-def _digest_columns(store: Features, names: list[str]) -> np.ndarray | None:
-    rows = store.store.digests_array()
-    if rows is None:
-        return None
-    columns = list(rows.attrs.get("arrays", []))
-    if any(name not in columns for name in names):
-        return None
-    try:
-        recorded = np.asarray(rows[:])
-    except Exception:  # noqa: BLE001 - a digests object that fails its check: compare by reading
-        return None
-    recorded = recorded[:, [columns.index(name) for name in names]]
-    return None if not recorded.all() else recorded  # a row never written (0) proves nothing
+def _object_digests(store: Features, names: list[str], num_chunks: int) -> np.ndarray:
+    """(K, len(names)) int64: the crc32c that ends each chunk object of ``names`` (the checksum codec's,
+    read as 4 bytes, as ``verify`` reads them), -1 where there is none to compare: an object absent or too
+    short, or a store from before checksums (every chunk is then read)."""
+    if store.attrs.get("format_version", 0) < 2:
+        return np.full((num_chunks, len(names)), -1, dtype=np.int64)
+    found = store.store.object_digests(range(num_chunks), names)
+    return np.array([[-1 if d is None else d for d in found[k]] for k in range(num_chunks)], dtype=np.int64)
 
 
 def _chunk_of(store: Features, name: str, chunk: int, start: int, stop: int) -> np.ndarray:
