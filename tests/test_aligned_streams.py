@@ -228,11 +228,13 @@ def test_patch_streams_with_ranks_workers_and_stack(vit):
     blocks = np.stack([f.load("blocks.1"), f.load("blocks.3")], axis=2)  # (N, 10, 2, 192)
     every = []
     for rank in (0, 1):
-        stream = TokenStream(vit, ["blocks.1", "blocks.3"], 7, rank=rank, world_size=2, stack=True,
+        # float16 as stored: zarr decodes each layer straight into its column of the stacked window
+        stream = TokenStream(vit, ["blocks.1", "blocks.3"], 7, rank=rank, world_size=2, stack=True, dtype="float16",
                              exclude=["first:1", "high_norm:1.1"], return_index=True, window=1)  # fmt: skip
         for values, index in DataLoader(stream, batch_size=None, num_workers=2):
             image, patch = index.numpy().T
-            np.testing.assert_array_equal(values.numpy(), blocks[image, patch])
+            assert values.dtype == torch.float16 and values.shape == (len(image), 2, 192)
+            np.testing.assert_array_equal(values.float().numpy(), blocks[image, patch])
             every += list(zip(image.tolist(), patch.tolist(), strict=True))
     assert len(every) == len(set(every))
     # high_norm, by numpy: over 1.1 x the median norm (of the rows first:1 keeps) in either layer
