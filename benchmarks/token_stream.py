@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         features = open_features(store_path)
         raw_bytes = features.array(LAYER).nbytes
         stored_bytes = features.store.stored_bytes()
+        ratio = sum(features.array(layer).nbytes for layer in features.layers) / stored_bytes  # every layer's
         window_rows = args.window * chunk_size
         epochs = iter(range(10**6))
 
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_chunks": features.num_chunks,
         "raw_bytes": raw_bytes,
         "stored_bytes": stored_bytes,
-        "compression_ratio": round(raw_bytes / stored_bytes, 3),
+        "compression_ratio": round(ratio, 3),
         "batch_size": args.batch_size,
         "window": args.window,
         "repeats": args.repeats,
@@ -377,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(
-        f"{num_tokens} tokens x {args.dim} float16 = {raw_bytes / 1e6:.0f} MB raw, {stored_bytes / 1e6:.0f} MB stored "
+        f"{num_tokens} tokens x {args.dim} float16 = {raw_bytes / 1e6:.0f} MB raw a layer, {stored_bytes / 1e6:.0f} MB "
+        f"stored ({len(features.layers)} layer{'s' if len(features.layers) > 1 else ''}) "
         f"(zstd-1, {result['compression_ratio']}x), {features.num_chunks} chunks of {chunk_size}, batch "
         f"{args.batch_size}, window {args.window}"
     )
