@@ -195,19 +195,9 @@ def export_saelens(
     _check_destination(out, features.path, overwrite)
 
     if patches is None:
-        context_size, d_in = int(features.pack["context_length"]), int(array.shape[1])
-        tokens = int(array.shape[0])
-        if tokens % context_size:
-            raise ExportError(
-                f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it"
-            )
-        contexts = tokens // context_size
-        read = _token_contexts(features, layer, hook_name, dtype, context_size)
+        context_size, d_in, contexts, read = _token_contexts(features, layer, hook_name, dtype)
     else:
-        context_size, d_in = patches.positions, patches.width
-        images = np.flatnonzero(features.valid)
-        contexts = len(images)
-        read = _image_contexts(features, layer, hook_name, dtype, patches, images)
+        context_size, d_in, contexts, read = _image_contexts(features, layer, hook_name, dtype, patches)
     if contexts == 0:
         raise ExportError(f"{features.path} holds no context of {context_size} tokens")
     context_bytes = context_size * d_in * np.dtype(dtype).itemsize
@@ -283,7 +273,13 @@ def _patches(features: Features, layer: str) -> Rows:
         raise ExportError(str(e)) from None
 
 
-def _token_contexts(features: Features, layer: str, hook_name: str, dtype: str, context_size: int) -> Contexts:
+def _token_contexts(features: Features, layer: str, hook_name: str, dtype: str) -> tuple[int, int, int, Contexts]:
+    """A packed store's contexts: (context_size, d_in, contexts, how to read some)."""
+    array = features.array(layer)
+    context_size, d_in, tokens = int(features.pack["context_length"]), int(array.shape[1]), int(array.shape[0])
+    if tokens % context_size:
+        raise ExportError(f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it")
+
     def read(first: int, last: int) -> dict[str, np.ndarray]:
         rows = slice(first * context_size, last * context_size)
         values = np.asarray(features.load(layer, rows, dtype=dtype))
@@ -293,17 +289,20 @@ def _token_contexts(features: Features, layer: str, hook_name: str, dtype: str, 
             "token_ids": ids.reshape(last - first, context_size),
         }
 
-    return read
+    return context_size, d_in, tokens // context_size, read
 
 
 def _image_contexts(
-    features: Features, layer: str, hook_name: str, dtype: str, patches: Rows, images: np.ndarray
-) -> Contexts:
+    features: Features, layer: str, hook_name: str, dtype: str, patches: Rows
+) -> tuple[int, int, int, Contexts]:
+    """An image store's contexts, one per valid image: (context_size, d_in, contexts, how to read some)."""
+    images = np.flatnonzero(features.valid)
+
     def read(first: int, last: int) -> dict[str, np.ndarray]:
         values = np.asarray(features.load(layer, images[first:last], dtype=dtype))
         return {hook_name: patches.as_rows(values).reshape(last - first, patches.positions, patches.width)}
 
-    return read
+    return patches.positions, patches.width, len(images), read
 
 
 def _write_shard(path: Path, schema: Any, read: Contexts, contexts: range, per_block: int, bar: tqdm) -> None:

@@ -71,7 +71,8 @@ class ChunkWriter:
     re-raised in the caller's thread by ``check()``, ``submit()`` and ``close()``. Rows of invalid
     samples (undecodable images) are stored as NaN; infinities in float16 storage (values beyond
     its range) are counted per layer in ``overflow``. ``write_chunk`` also records each chunk's
-    statistics row of every 1-D layer (``stats.py``), on the same threads.
+    statistics row of every 1-D layer and every layer kept whole in a known layout (per position,
+    ``stats.py``), on the same threads.
     """
 
     def __init__(
