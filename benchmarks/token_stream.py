@@ -25,8 +25,17 @@ interleaved epochs each (the order of the variants rotates every repeat):
                      its ``mixing_buffer``)
     e  ipc floor     a DataLoader worker yielding as many fresh float32 batches, gathered from a window in
                      memory (no store): what moving the batches between processes costs by itself
+    f  sources       several sources of the same tokens, in-process with 2 threads (issue 31): a second
+                     layer in the store (``transcoder``: ``TokenStream(store, [L, L2])``, a dict) and a
+                     second store of the same tokens (``crosscoder``: ``TokenStream([store, other], L,
+                     stack=True)``, one (batch, 2, D) tensor, after the stores' alignment check), each
+                     against ``codec_pair``, the codec decoding both arrays in order
+    g  patches       an image store of ``--images`` x 197 tokens x D float16 (a ViT-B/16 block at 224 px kept
+                     whole, ``--pool none``; about ``--megabytes`` too), one epoch of ``TokenStream(store,
+                     layer, exclude="first:1")`` (every (image, patch) row but the CLS tokens), against
+                     ``codec_vit``, the codec alone on that array
 
-GB/s are of stored-dtype (float16) bytes, 1 GB = 1e9 B, and tokens/s of rows delivered; GB/CPU-s divides
+GB/s are of stored-dtype (float16) bytes read (both arrays for f), 1 GB = 1e9 B, and tokens/s of rows delivered; GB/CPU-s divides
 by the CPU time the variant used (all threads and reaped worker processes). Everything is read warm:
 the files were just written and each variant runs once untimed first, so all come from the page cache.
 
@@ -64,7 +73,9 @@ from extract.store.store import FeatureStore  # noqa: E402
 from extract.store.text_arrays import TextArrays  # noqa: E402
 
 LAYER = "blocks.6.hook_resid_post"
+LAYER2 = "blocks.7.hook_resid_post"  # the transcoder pair's second layer, in the same store
 CONTEXT = 128
+PATCHES = 197  # a ViT-B/16's tokens at 224 px: CLS and 14 x 14 patches
 
 
 def activations(rows: int, dim: int, rng: np.random.Generator) -> np.ndarray:
@@ -74,7 +85,71 @@ def activations(rows: int, dim: int, rng: np.random.Generator) -> np.ndarray:
     return values.astype(np.float16)
 
 
-def make_data(folder: Path, megabytes: float, dim: int, chunk_size: int | None) -> tuple[Path, Path, Path, int, int]:
+def token_store(
+    path: Path, plan: Plan, dim: int, token_ids: np.ndarray, special: np.ndarray, layers: list[str], seed: int
+) -> np.ndarray:
+    """A complete token store of ``layers`` over ``token_ids``, in contexts of ``CONTEXT``; returns its
+    first layer's rows."""
+    num_tokens, contexts = plan.num_samples, plan.num_samples // CONTEXT
+    text = TextArrays(
+        offsets=np.arange(contexts + 1, dtype=np.int64) * CONTEXT,
+        labels=np.full(contexts, -1, dtype=np.int64),
+        valid=np.ones(contexts, dtype=bool),
+    )
+    store = FeatureStore.create(
+        path,
+        shapes=dict.fromkeys(layers, (dim,)),
+        num_samples=num_tokens,
+        chunk_size=plan.chunk_size,
+        dtype="float16",
+        compressor="zstd",
+        attrs={"status": "running", "layers": layers, "num_samples": num_tokens, "chunk_size": plan.chunk_size},
+        kind="tokens",
+        text=text,
+    )
+    rng = np.random.default_rng(seed)
+    first = np.empty((num_tokens, dim), dtype=np.float16)
+    for chunk in range(plan.num_chunks):
+        start, stop = plan.bounds(chunk)
+        values = {layer: activations(stop - start, dim, rng) for layer in layers}
+        first[start:stop] = values[layers[0]]
+        columns = {"token_ids": token_ids[start:stop], "special": special[start:stop]}
+        store.write_chunk(chunk, start, stop, values, None, None, columns)
+    store.update_attrs(status="complete")
+    return first
+
+
+def patch_store(path: Path, megabytes: float, dim: int) -> tuple[int, int]:
+    """A complete image store of one ViT block kept whole, (N, PATCHES, dim) float16 in layout NLC, with
+    the job's default chunk size; returns (N, chunk size)."""
+    image_bytes = PATCHES * dim * 2
+    images = max(4, int(megabytes * 1e6) // image_bytes)
+    plan = Plan(images, default_chunk_size(images, image_bytes))
+    store = FeatureStore.create(
+        path,
+        shapes={LAYER: (PATCHES, dim)},
+        num_samples=images,
+        chunk_size=plan.chunk_size,
+        dtype="float16",
+        compressor="zstd",
+        attrs={"status": "running", "layers": [LAYER], "num_samples": images, "chunk_size": plan.chunk_size},
+        layouts={LAYER: "NLC"},
+    )
+    rng = np.random.default_rng(2)
+    for chunk in range(plan.num_chunks):
+        start, stop = plan.bounds(chunk)
+        values = activations((stop - start) * PATCHES, dim, rng).reshape(stop - start, PATCHES, dim)
+        labels, valid = np.zeros(stop - start, dtype=np.int64), np.ones(stop - start, dtype=bool)
+        store.write_chunk(chunk, start, stop, {LAYER: values}, labels, valid)
+    store.update_attrs(status="complete")
+    return images, plan.chunk_size
+
+
+def make_data(
+    folder: Path, megabytes: float, dim: int, chunk_size: int | None, sources: bool
+) -> tuple[Path, Path, Path, int, int]:
+    """The token store (with a second layer and a second store of the same tokens when ``sources``),
+    the ``.npy`` and the arrow cache of its first layer."""
     import datasets
 
     row_bytes = dim * 2
@@ -87,31 +162,13 @@ def make_data(folder: Path, megabytes: float, dim: int, chunk_size: int | None) 
     special = np.zeros(num_tokens, dtype=bool)
     special[::CONTEXT] = True
     token_ids[special] = 0
-    text = TextArrays(
-        offsets=np.arange(contexts + 1, dtype=np.int64) * CONTEXT,
-        labels=np.full(contexts, -1, dtype=np.int64),
-        valid=np.ones(contexts, dtype=bool),
-    )
-    store = FeatureStore.create(
-        store_path,
-        shapes={LAYER: (dim,)},
-        num_samples=num_tokens,
-        chunk_size=plan.chunk_size,
-        dtype="float16",
-        compressor="zstd",
-        attrs={"status": "running", "layers": [LAYER], "num_samples": num_tokens, "chunk_size": plan.chunk_size},
-        kind="tokens",
-        text=text,
-    )
+    layers = [LAYER, LAYER2] if sources else [LAYER]
     npy = np.lib.format.open_memmap(npy_path, mode="w+", dtype=np.float16, shape=(num_tokens, dim))
-    for chunk in range(plan.num_chunks):
-        start, stop = plan.bounds(chunk)
-        npy[start:stop] = values = activations(stop - start, dim, rng)
-        columns = {"token_ids": token_ids[start:stop], "special": special[start:stop]}
-        store.write_chunk(chunk, start, stop, {LAYER: values}, None, None, columns)
+    npy[:] = token_store(store_path, plan, dim, token_ids, special, layers, seed=0)
     npy.flush()
     del npy
-    store.update_attrs(status="complete")
+    if sources:  # another model's rows of the same tokens
+        token_store(folder / "other.zarr", plan, dim, token_ids, special, [LAYER], seed=1)
     features = datasets.Features(
         {
             LAYER: datasets.Array2D(shape=(CONTEXT, dim), dtype="float16"),
@@ -204,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=4, help="TokenStream window, chunks (default 4)")
     p.add_argument("--repeats", type=int, default=3, help="timed epochs per variant, median reported (default 3)")
     p.add_argument("--variants", help="comma-separated names to run (default: all)")
+    p.add_argument("--no-sources", action="store_true", help="leave out the f_ and g_ variants and their data")
     p.add_argument("--dir", type=Path, help="where to write the data (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
@@ -214,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         import datasets
 
         datasets.disable_progress_bars()
+        sources = not args.no_sources
         store_path, npy_path, arrow_path, num_tokens, chunk_size = make_data(
-            Path(tmp), args.megabytes, args.dim, args.chunk_size
+            Path(tmp), args.megabytes, args.dim, args.chunk_size, sources
         )
         features = open_features(store_path)
         raw_bytes = features.array(LAYER).nbytes
         stored_bytes = features.store.stored_bytes()
+        ratio = sum(features.array(layer).nbytes for layer in features.layers) / stored_bytes  # every layer's
         window_rows = args.window * chunk_size
         epochs = iter(range(10**6))
 
@@ -266,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             batches = Batches(num_tokens, args.batch_size, args.dim, window_rows)
             assert sum(len(b) for b in DataLoader(batches, batch_size=None, num_workers=workers)) == num_tokens
 
+        extra, read_bytes, codec_of = source_variants(Path(tmp), args, epochs) if sources else ({}, {}, {})
         variants: dict[str, Callable[[], Any]] = {
             "a_codec_float16": codec,
             "a_load_float16": lambda: features.load(LAYER, dtype=None),
@@ -280,14 +341,18 @@ def main(argv: list[str] | None = None) -> int:
             "c_npy_mmap_windows": npy_windows,
             "e_ipc_floor_w1": lambda: loader_floor(1),
             "d_arrow_sae_slices": arrow_sae,
+            **extra,
         }
         if args.variants:
             variants = {name: run for name, run in variants.items() if name in args.variants.split(",")}
         seconds, cpu = timed(variants, args.repeats)
 
-    rates = {name: raw_bytes / s / 1e9 for name, s in seconds.items()}
-    tokens_per_s = {name: num_tokens / s for name, s in seconds.items()}
-    per_cpu = {name: raw_bytes / max(s, 1e-9) / 1e9 for name, s in cpu.items()}
+    nbytes = {name: read_bytes.get(name, (raw_bytes, 0))[0] for name in seconds}
+    rows = {name: read_bytes.get(name, (0, num_tokens))[1] for name in seconds}
+    rates = {name: nbytes[name] / s / 1e9 for name, s in seconds.items()}
+    tokens_per_s = {name: rows[name] / s for name, s in seconds.items()}
+    per_cpu = {name: nbytes[name] / max(s, 1e-9) / 1e9 for name, s in cpu.items()}
+    reference = {name: rates.get(codec_of.get(name, "a_codec_float16")) for name in seconds}
     codec = rates.get("a_codec_float16")
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
@@ -300,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_chunks": features.num_chunks,
         "raw_bytes": raw_bytes,
         "stored_bytes": stored_bytes,
-        "compression_ratio": round(raw_bytes / stored_bytes, 3),
+        "compression_ratio": round(ratio, 3),
         "batch_size": args.batch_size,
         "window": args.window,
         "repeats": args.repeats,
@@ -309,16 +374,19 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": {k: round(v) for k, v in tokens_per_s.items()},
         "cpu_seconds": {k: round(v, 4) for k, v in cpu.items()},
         "gb_per_cpu_second": {k: round(v, 3) for k, v in per_cpu.items()},
-        "stream_over_codec": {k: round(v / codec, 3) for k, v in rates.items() if k.startswith("b_") and codec},
+        "stream_over_codec": {
+            k: round(v / reference[k], 3) for k, v in rates.items() if k.startswith(("b_", "f_", "g_")) and reference[k]
+        },
     }
     print(
-        f"{num_tokens} tokens x {args.dim} float16 = {raw_bytes / 1e6:.0f} MB raw, {stored_bytes / 1e6:.0f} MB stored "
+        f"{num_tokens} tokens x {args.dim} float16 = {raw_bytes / 1e6:.0f} MB raw a layer, {stored_bytes / 1e6:.0f} MB "
+        f"stored ({len(features.layers)} layer{'s' if len(features.layers) > 1 else ''}) "
         f"(zstd-1, {result['compression_ratio']}x), {features.num_chunks} chunks of {chunk_size}, batch "
         f"{args.batch_size}, window {args.window}"
     )
     print(f"{'variant':<22} {'seconds':>8} {'GB/s':>7} {'Mtok/s':>7} {'CPU s':>7} {'GB/CPU-s':>9} {'/codec':>7}")
     for name, s in seconds.items():
-        ratio = f"{rates[name] / codec:>7.2f}" if codec else ""
+        ratio = f"{rates[name] / reference[name]:>7.2f}" if reference[name] else ""
         print(
             f"{name:<22} {s:>8.3f} {rates[name]:>7.2f} {tokens_per_s[name] / 1e6:>7.2f} {cpu[name]:>7.3f} "
             f"{per_cpu[name]:>9.2f} {ratio}"
@@ -327,6 +395,78 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def source_variants(
+    folder: Path, args: argparse.Namespace, epochs: Iterator[int]
+) -> tuple[dict[str, Callable[[], Any]], dict[str, tuple[int, int]], dict[str, str]]:
+    """The f_ and g_ variants (see the module's docstring): {name: run}, {name: (bytes read, rows
+    delivered)}, {name: the codec variant it is compared with}."""
+    store, other = folder / "tokens.zarr", folder / "other.zarr"
+    images, image_chunk = patch_store(folder / "vit.zarr", args.megabytes, args.dim)
+    features = [open_features(store), open_features(other), open_features(folder / "vit.zarr")]
+    pair = [features[0].array(LAYER), features[0].array(LAYER2), features[1].array(LAYER)]
+    vit = features[2].array(LAYER)
+    num_tokens, chunk_size = features[0].num_samples, features[0].chunk_size
+    buffers = [np.empty((args.window * chunk_size, args.dim), np.float16) for _ in range(2)]
+    vit_buffer = np.empty((args.window * image_chunk, PATCHES, args.dim), np.float16)
+
+    def codec_pair() -> None:
+        for start in range(0, num_tokens, len(buffers[0])):
+            for array, buffer in zip(pair[:2], buffers, strict=True):
+                _read(array, slice(start, min(start + len(buffer), num_tokens)), buffer)
+
+    def codec_vit() -> None:
+        for start in range(0, images, len(vit_buffer)):
+            _read(vit, slice(start, min(start + len(vit_buffer), images)), vit_buffer)
+
+    def stream(make: Callable[[], TokenStream], rows: int) -> Callable[[], None]:
+        tokens = make()
+
+        def epoch() -> None:
+            tokens.set_epoch(next(epochs))
+            assert sum(len(batch) for batch in tokens) == rows
+
+        return epoch
+
+    common = {"window": args.window, "threads": 2}
+    patch_rows = images * (PATCHES - 1)
+    variants = {
+        "f_codec_pair": codec_pair,
+        "f_transcoder_pair_w0_t2": stream(
+            lambda: _Single(TokenStream(store, [LAYER, LAYER2], args.batch_size, **common)), num_tokens
+        ),
+        "f_crosscoder_stack_w0_t2": stream(
+            lambda: TokenStream([store, other], LAYER, args.batch_size, stack=True, **common), num_tokens
+        ),
+        "g_codec_vit": codec_vit,
+        "g_vit_patches_w0_t2": stream(
+            lambda: TokenStream(folder / "vit.zarr", LAYER, args.batch_size, exclude="first:1", **common), patch_rows
+        ),
+    }
+    pair_bytes, vit_bytes = 2 * pair[0].nbytes, vit.nbytes
+    read_bytes = {
+        "f_codec_pair": (pair_bytes, num_tokens),
+        "f_transcoder_pair_w0_t2": (pair_bytes, num_tokens),
+        "f_crosscoder_stack_w0_t2": (pair_bytes, num_tokens),
+        "g_codec_vit": (vit_bytes, images * PATCHES),
+        "g_vit_patches_w0_t2": (vit_bytes, patch_rows),
+    }
+    codec_of = {name: "f_codec_pair" if name.startswith("f_") else "g_codec_vit" for name in read_bytes}
+    return variants, read_bytes, codec_of
+
+
+class _Single:
+    """A dict-yielding stream counted by its rows: ``len`` of one of its tensors."""
+
+    def __init__(self, stream: TokenStream) -> None:
+        self.stream = stream
+
+    def set_epoch(self, epoch: int) -> None:
+        self.stream.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (batch[LAYER] for batch in self.stream)
 
 
 if __name__ == "__main__":

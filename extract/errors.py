@@ -143,6 +143,11 @@ class ExcludeRuleError(ExtractError, ValueError):
     """An ``exclude`` rule of ``TokenStream`` that is not one of the forms it knows."""
 
 
+class UnalignedStoresError(ExtractError, ValueError):
+    """Stores given to ``TokenStream`` together whose rows are not the same tokens (another tokenizer,
+    corpus, packing or chunking)."""
+
+
 class UnusableLayerError(ExtractError):
     """One layer of a store cannot be read as asked (a pool that does not fit it, a damaged object,
     a size that differs between two stores): the commands skip it with a note and go on."""

@@ -1,7 +1,7 @@
 """Issue 19, ``python -m extract.export STORE --to saelens DIR --layer L``: a packed token store's layer as
 SAELens's activation cache. The dataset loads with ``datasets.load_from_disk`` and has the features
 SAELens's ``CacheActivationsRunner`` gives its cache; its rows are the store's contexts and token ids,
-written over several blocks and shards; ragged, document, image and unfinished stores are refused with
+written over several blocks and shards; ragged, document, pooled image and unfinished stores are refused with
 one line, an existing DIR is refused and left as it was, ``--overwrite`` replaces a dataset only, an
 error mid-export leaves nothing behind. Where ``sae_lens`` is importable (not in CI: it pins its own
 stack), SAELens's own runner caches the same contexts for comparison, loads the export through its
@@ -179,13 +179,18 @@ def test_the_command_prints_one_line_and_exits_0(packed, tmp_path, capsys):
     [
         ("ragged", "holds ragged documents.*re-extract with --pack T"),
         ("pooled", "is a document \\(pooled per document\\) store.*--pack T"),
-        ("images", "is an image store.*--pack T"),
+        (
+            "images",
+            r"layer 'layer4' of the image store .* is pooled, one \(8,\) row per image; SAELens's contexts "
+            "are an image's patches: extract the layer with --pool none",
+        ),
     ],
 )
 def test_stores_without_contexts_are_refused_with_one_line(store, message, request, tmp_path, capsys):
     path = request.getfixturevalue(store)
     capsys.readouterr()  # what making the store printed
-    code, out, err = run(capsys, path, "--to", "saelens", tmp_path / "cache", "--layer", "transformer.h.0")
+    layer = "layer4" if store == "images" else "transformer.h.0"
+    code, out, err = run(capsys, path, "--to", "saelens", tmp_path / "cache", "--layer", layer)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("extract.export: error: ") and re.search(message, err), err
     assert not (tmp_path / "cache").exists() and not list(tmp_path.glob(".*"))

@@ -10,18 +10,20 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from stores import array_store
 from text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
 from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.errors import ExtractError, StoreDamagedError
+from extract.store.schema import checked, codecs
 from extract.store.skeleton import Skeleton
 from extract.store.stats import HEAD, chunk_row, columns
 from extract.store.store import FeatureStore
 
 TEXT_LAYERS = ["transformer.h.0", "hidden_states.3"]
-IMAGE_POOLS = ["layer4=avg", "layer3=max", "layer2=none"]  # layer2 kept whole: (128, 4, 4), no statistics
+IMAGE_POOLS = ["layer4=avg", "layer3=max", "layer2=none"]  # layer2 kept whole: (128, 4, 4), per position
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +153,24 @@ def test_a_chunk_larger_than_the_store_holds_it_whole(corpus, tokens, tmp_path):
             assert f.keys.tolist() == many.keys.tolist()
 
 
-def test_pooled_image_store_stats_equal_numpy(images):
+def test_pooled_image_store_stats_equal_numpy(images, tmp_path):
     f = open_features(images)
     assert f.shapes["layer4"] == (512,) and f.shapes["layer2"] == (128, 4, 4)
     for layer in ("layer3", "layer4"):
         assert assert_stats_equal_numpy(images, layer)["count"] == 22
-    with pytest.raises(ExtractError, match=r"layer 'layer2' is stored as \(128, 4, 4\) per row .* --pool"):
-        f.stats("layer2")
-    assert "stats/layer2" not in zarr.open_group(images, mode="r")
+    # a map kept whole (NCHW): statistics of each position's 128 channels, every (image, h, w) a row
+    positions = f.load("layer2", dtype=None).transpose(0, 2, 3, 1).reshape(-1, 128)
+    expected, got = numpy_stats(positions), f.stats("layer2")
+    assert got["count"] == expected["count"] == 22 * 16 and got["mean"].shape == (128,)
+    for name in ("mean", "std"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-12, err_msg=name)
+    assert got["mean_norm"] == pytest.approx(expected["mean_norm"], rel=1e-12)
+    assert got["max_abs"] == expected["max_abs"]
+    assert zarr.open_group(images, mode="r")["stats"].attrs["layers"] == ["layer2", "layer3", "layer4"]
+    # a layer whose layout the store does not record has none
+    unknown = array_store(tmp_path / "u.zarr", {"x": np.ones((6, 3, 2, 2), np.float32)}, np.zeros(6, np.int64), 4)
+    with pytest.raises(ExtractError, match=r"layer 'x' is stored as \(3, 2, 2\) per row .* --pool or --layout"):
+        open_features(unknown).stats("x")
 
 
 def test_resume_recomputes_the_stats_of_the_chunks_it_redoes(corpus, tokens, tmp_path):
@@ -234,6 +246,35 @@ def test_a_store_from_before_statistics_reads_as_before(capsys, monkeypatch, tmp
     with pytest.raises(ExtractError, match="written before stores kept statistics") as error:
         f.stats("layer4")
     assert len(str(error.value).splitlines()) == 1
+
+
+def test_a_store_from_before_per_position_statistics_reads_as_before(capsys, monkeypatch, tmp_path):
+    """A store built as extract wrote them before per-position statistics (``stats/<layer>`` for the 1-D
+    layers only, no ``layers`` list on the group): written, verified and read with today's code, it
+    keeps its 1-D layers' statistics, and the map kept whole has none (one line)."""
+
+    def old_stats(self, root, num_chunks):
+        group, paths = root.create_group("stats"), []
+        for layer, shape in self.shapes.items():
+            if len(shape) == 1:
+                width = len(HEAD) + 2 * shape[0]
+                group.create_array(
+                    layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
+                    compressors=checked(codecs("zstd")), attributes={"columns": columns(shape[0])},
+                )  # fmt: skip
+                paths.append(f"stats/{layer}")
+        return paths
+
+    monkeypatch.setattr(Skeleton, "_stats", old_stats)
+    out = tmp_path / "old.zarr"
+    assert extract_main(image_job(out)) == 0
+    monkeypatch.undo()
+    assert "layers" not in zarr.open_group(out, mode="r")["stats"].attrs
+    assert verify(capsys, out) == (0, f"extract.verify: {out}: {CLEAN}")
+    for layer in ("layer3", "layer4"):
+        assert_stats_equal_numpy(out, layer)
+    with pytest.raises(ExtractError, match=r"layer 'layer2' .*\(or the store predates per-position statistics\)"):
+        open_features(out).stats("layer2")
 
 
 def test_a_chunk_row_leaves_out_nan_rows_and_counts_infinite_ones():

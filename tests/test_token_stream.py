@@ -208,7 +208,8 @@ def test_a_bad_rule_is_refused_naming_it_and_the_forms(stores, rule):
 def test_an_image_store_and_an_unknown_layer_are_refused(stores, tmp_path):
     images = array_store(tmp_path / "i.zarr", {"fc": np.zeros((10, 4), np.float32)}, np.zeros(10, np.int64), 4)
     with pytest.raises(
-        ExtractError, match=r"is not a token store \(kind 'images'\); TokenStream reads token stores"
+        ExtractError, match=r"layer 'fc' of this image store is one \(4,\) row per image, pooled at extraction, not "
+        r"one per patch; read it with FeatureDataset"
     ) as caught:
         TokenStream(images, "fc", 8)
     assert "\n" not in str(caught.value)

@@ -1,4 +1,4 @@
-"""Export a packed token store to the activation cache SAELens trains from.
+"""Export a packed token store (or an image store's patches) to the activation cache SAELens trains from.
 
     export_saelens("packed.zarr", "cache", "transformer.h.6", hook_name="blocks.6.hook_resid_post")
 
@@ -22,8 +22,13 @@ settings a SAELens config needs (``hook_name``, ``context_size``, ``d_in``, ``tr
 the store's ``scaling_factor`` (``Features.stats``); ``load_from_disk`` ignores it.
 
 Only a packed store (``--pack T``) holds SAELens's contexts: T tokens each, starting with BOS, the
-documents concatenated with a separator, so context i is rows ``i*T:(i+1)*T``. A ragged token store,
-a document or an image store is refused, and so is an unfinished store.
+documents concatenated with a separator, so context i is rows ``i*T:(i+1)*T``. An image store's
+per-position layer (a ViT block or a conv map kept whole, ``--pool none``) exports too: a context is
+one image's T patches (``TokenStream``'s rows of it: a ViT's CLS and register tokens included, since
+SAELens's cached path reads whole contexts; a map's ``h * W + w``), there are no ``token_ids``
+(SAELens's ``ActivationsStore`` reads a cache without them), and images that could not be decoded
+(``valid`` False, stored as NaN) are left out. A ragged token store, a document store, a pooled image
+layer and an unfinished store are refused.
 
 The export streams: a block of whole contexts (about ``BLOCK_BYTES``) is read, written to the current
 shard and dropped, so memory holds one block whatever the layer's size. It is written into a hidden
@@ -42,6 +47,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,7 @@ from tqdm.auto import tqdm
 from ..errors import ExportError, ExtractError, StoreDamagedError
 from ..names import Kind
 from ..read.features import Features, open_features
+from ..read.sources import Rows, layer_rows
 
 BLOCK_BYTES = 64 * 2**20  # contexts read and written at a time
 SHARD_BYTES = 500 * 10**6  # rows per arrow file: datasets' own default max_shard_size ("500MB")
@@ -98,16 +105,14 @@ def _datasets() -> Any:
     return datasets
 
 
-def saelens_features(hook_name: str, context_size: int, d_in: int, dtype: str) -> Any:
+def saelens_features(hook_name: str, context_size: int, d_in: int, dtype: str, token_ids: bool = True) -> Any:
     """The ``datasets.Features`` of a SAELens activation cache, as ``CacheActivationsRunner.__init__``
-    (sae_lens/cache_activations_runner.py) builds them for one hook."""
+    (sae_lens/cache_activations_runner.py) builds them for one hook; without ``token_ids`` for images."""
     datasets = _datasets()
-    return datasets.Features(
-        {
-            hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype),
-            "token_ids": datasets.Sequence(datasets.Value(dtype="int32"), length=context_size),
-        }
-    )
+    columns = {hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype)}
+    if token_ids:
+        columns["token_ids"] = datasets.Sequence(datasets.Value(dtype="int32"), length=context_size)
+    return datasets.Features(columns)
 
 
 def _open(store: str | Path | Features) -> Features:
@@ -117,12 +122,13 @@ def _open(store: str | Path | Features) -> Features:
             f"{features.path} is not complete (status '{features.attrs.get('status')}'): rerun the same extract "
             "command to finish it, then export"
         )
-    if features.kind is not Kind.TOKENS:
-        kind = "an image" if features.kind is Kind.IMAGES else "a document (pooled per document)"
+    if features.kind is Kind.DOCUMENTS:
         raise ExportError(
-            f"{features.path} is {kind} store; SAELens trains on per-token activations: extract the text "
-            "model with --pack T (contexts of T tokens) and export that store"
+            f"{features.path} is a document (pooled per document) store; SAELens trains on per-token "
+            "activations: extract the text model with --pack T (contexts of T tokens) and export that store"
         )
+    if features.kind is Kind.IMAGES:
+        return features
     if features.pack is None:
         raise ExportError(
             f"{features.path} holds ragged documents, not contexts of equal length: re-extract with --pack T "
@@ -159,7 +165,8 @@ def export_saelens(
     overwrite: bool = False,
     progress: bool = False,
 ) -> SAELensCache:
-    """Write ``layer`` of the packed token store ``store`` to ``out_dir`` as SAELens's activation cache.
+    """Write ``layer`` of the packed token store ``store`` to ``out_dir`` as SAELens's activation cache
+    (or of an image store: a per-position layer, a context per valid image, no ``token_ids``).
 
     ``hook_name`` names the column (default: the layer's name; SAELens's config must give the same
     ``hook_name``, e.g. ``blocks.6.hook_resid_post``). ``dtype`` is the column's (``float16`` or
@@ -172,10 +179,10 @@ def export_saelens(
     datasets = _datasets()
     features = _open(store)
     array = features.array(layer)  # a LayerNotFoundError names the layers there are
-    dtype, hook_name = _checked_options(features, layer, array, dtype, hook_name, shard_contexts)
+    dtype, hook_name, patches = _checked_options(features, layer, array, dtype, hook_name, shard_contexts)
     out = Path(out_dir)
     _check_destination(out, features.path, overwrite)
-    export = _plan(features, layer, array, hook_name, dtype, shard_contexts)
+    export = _plan(features, layer, hook_name, dtype, shard_contexts, patches)
     staging = out.parent / f".{out.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -202,10 +209,12 @@ def export_saelens(
 
 def _checked_options(
     features: Features, layer: str, array: Any, dtype: str | None, hook_name: str | None, shard_contexts: int | None
-) -> tuple[str, str]:
-    """The column's dtype and hook name (their defaults: the store's dtype, the layer's name), refusing
-    a layer not stored as (D,) per token, a dtype arrow cannot hold and a column name that is taken."""
-    if len(array.shape) != 2:
+) -> tuple[str, str, Rows | None]:
+    """The column's dtype and hook name (their defaults: the store's dtype, the layer's name) and, in an
+    image store, the layer's patch rows; refusing a token layer not stored as (D,) per token, a dtype arrow
+    cannot hold and a column name that is taken."""
+    patches = _patches(features, layer) if features.kind is Kind.IMAGES else None
+    if patches is None and len(array.shape) != 2:
         raise ExportError(
             f"layer '{layer}' of {features.path} is stored as {list(array.shape[1:])} per token, not (D,)"
         )
@@ -217,13 +226,17 @@ def _checked_options(
     hook_name = layer if hook_name is None else hook_name
     if not hook_name or hook_name == "token_ids":
         raise ExportError(f"hook name '{hook_name}' cannot name the activations' column (token_ids is taken)")
-    return dtype, hook_name
+    return dtype, hook_name, patches
+
+
+Contexts = Callable[[int, int], dict[str, np.ndarray]]  # contexts first:last -> the dataset's columns
 
 
 @dataclass(frozen=True)
 class _Export:
-    """What is exported: ``contexts`` of ``context_size`` tokens of ``layer`` (``d_in`` values each), as
-    column ``hook_name`` of ``dtype``, ``per_shard`` contexts per arrow file, ``per_block`` at a time."""
+    """What is exported: ``contexts`` of ``context_size`` tokens (or patches) of ``layer`` (``d_in`` values
+    each), as column ``hook_name`` of ``dtype``, ``per_shard`` contexts per arrow file, ``per_block`` at a
+    time, read by ``read``; an image store's contexts have no ``token_ids``."""
 
     features: Features
     layer: str
@@ -235,6 +248,8 @@ class _Export:
     per_shard: int
     per_block: int
     scaling_factor: float | None
+    read: Contexts
+    patches: bool
 
     @property
     def shards(self) -> int:
@@ -245,11 +260,12 @@ class _Export:
         return range(index * self.per_shard, min(self.contexts, (index + 1) * self.per_shard))
 
     def schema(self) -> Any:
-        return saelens_features(self.hook_name, self.context_size, self.d_in, self.dtype)
+        return saelens_features(self.hook_name, self.context_size, self.d_in, self.dtype, token_ids=not self.patches)
 
     def metadata(self) -> dict[str, Any]:
         """``extract_export.json``: where the rows came from, and what a SAELens config needs."""
         features = self.features
+        images = {"patches": self.context_size, "images_left_out": features.num_samples - self.contexts}
         return {
             "format": "saelens activation cache (CacheActivationsRunner layout)",
             "store": str(features.path.resolve()),
@@ -263,39 +279,48 @@ class _Export:
             "scaling_factor": self.scaling_factor,
             "pack": features.pack,
             "model": features.attrs.get("model"),
+            **(images if self.patches else {}),
         }
 
 
 def _plan(
-    features: Features, layer: str, array: Any, hook_name: str, dtype: str, shard_contexts: int | None
+    features: Features, layer: str, hook_name: str, dtype: str, shard_contexts: int | None, patches: Rows | None
 ) -> _Export:
-    """The store's contexts of ``layer`` cut into shards and blocks; the store must hold whole contexts."""
-    context_size = int(features.pack["context_length"])
-    d_in, tokens = int(array.shape[1]), int(array.shape[0])
-    if tokens % context_size:
-        raise ExportError(f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it")
-    contexts = tokens // context_size
+    """The store's contexts of ``layer`` cut into shards and blocks: a packed store's contexts (which must
+    be whole), or an image store's valid images."""
+    if patches is None:
+        context_size, d_in, contexts, read = _token_contexts(features, layer, hook_name, dtype)
+    else:
+        context_size, d_in, contexts, read = _image_contexts(features, layer, hook_name, dtype, patches)
     if contexts == 0:
         raise ExportError(f"{features.path} holds no context of {context_size} tokens")
     context_bytes = context_size * d_in * np.dtype(dtype).itemsize
     per_shard = shard_contexts or max(1, SHARD_BYTES // context_bytes)
     per_block = max(1, BLOCK_BYTES // context_bytes)
+    scaling_factor = _scaling_factor(features, layer, dtype)
+    return _Export(
+        features, layer, hook_name, dtype, context_size, d_in, contexts, per_shard, per_block, scaling_factor,
+        read, patches is not None,
+    )  # fmt: skip
+
+
+def _scaling_factor(features: Features, layer: str, dtype: str) -> float | None:
+    """The layer's ``scaling_factor`` (None for a store written before statistics); float16 is refused
+    for a layer whose statistics hold a value float16 would make inf."""
     try:
         stats: dict[str, Any] | None = features.stats(layer)
     except StoreDamagedError:
         raise
     except ExtractError:  # written before stores kept statistics
-        stats = None
+        return None
+    assert stats is not None
     with np.errstate(over="ignore"):
-        if dtype == "float16" and stats is not None and np.isinf(np.float16(stats["max_abs"])):
+        if dtype == "float16" and np.isinf(np.float16(stats["max_abs"])):
             raise ExportError(
                 f"layer '{layer}' of {features.path} holds |x| up to {stats['max_abs']:.4g}, which float16 "
                 "would make inf; export it as float32"
             )
-    scaling_factor = None if stats is None else float(stats["scaling_factor"])
-    return _Export(
-        features, layer, hook_name, dtype, context_size, d_in, contexts, per_shard, per_block, scaling_factor
-    )
+    return float(stats["scaling_factor"])
 
 
 def _write_cache(datasets: Any, staging: Path, export: _Export, bar: tqdm) -> None:
@@ -304,31 +329,69 @@ def _write_cache(datasets: Any, staging: Path, export: _Export, bar: tqdm) -> No
     schema, files = export.schema(), []
     for shard in range(export.shards):
         name = f"data-{shard:05d}-of-{export.shards:05d}.arrow"
-        _write_shard(staging / name, schema, export, export.shard(shard), bar)
+        _write_shard(staging / name, schema, export.read, export.shard(shard), export.per_block, bar)
         files.append({"filename": name})
     _write_dataset_files(datasets, staging, schema, files, export.features, export.layer, export.hook_name)
     (staging / METADATA).write_text(json.dumps(export.metadata(), indent=2, default=str) + "\n")
 
 
-def _write_shard(path: Path, schema: Any, export: _Export, contexts: range, bar: tqdm) -> None:
+def _patches(features: Features, layer: str) -> Rows:
+    """An image store's ``layer`` as patch rows, or an ``ExportError`` saying why it cannot be."""
+    shape = features.shapes[layer]
+    if len(shape) == 1:
+        raise ExportError(
+            f"layer '{layer}' of the image store {features.path} is pooled, one {shape} row per image; SAELens's "
+            "contexts are an image's patches: extract the layer with --pool none and export that store"
+        )
+    try:
+        return layer_rows(features, layer)
+    except ExtractError as e:
+        raise ExportError(str(e)) from None
+
+
+def _token_contexts(features: Features, layer: str, hook_name: str, dtype: str) -> tuple[int, int, int, Contexts]:
+    """A packed store's contexts: (context_size, d_in, contexts, how to read some)."""
+    array = features.array(layer)
+    context_size, d_in, tokens = int(features.pack["context_length"]), int(array.shape[1]), int(array.shape[0])
+    if tokens % context_size:
+        raise ExportError(f"{features.path}: {tokens} tokens are not whole contexts of {context_size}; re-extract it")
+
+    def read(first: int, last: int) -> dict[str, np.ndarray]:
+        rows = slice(first * context_size, last * context_size)
+        values = np.asarray(features.load(layer, rows, dtype=dtype))
+        ids = features.load_token_ids(rows).astype(np.int32, copy=False)
+        return {
+            hook_name: values.reshape(last - first, context_size, -1),
+            "token_ids": ids.reshape(last - first, context_size),
+        }
+
+    return context_size, d_in, tokens // context_size, read
+
+
+def _image_contexts(
+    features: Features, layer: str, hook_name: str, dtype: str, patches: Rows
+) -> tuple[int, int, int, Contexts]:
+    """An image store's contexts, one per valid image: (context_size, d_in, contexts, how to read some)."""
+    images = np.flatnonzero(features.valid)
+
+    def read(first: int, last: int) -> dict[str, np.ndarray]:
+        values = np.asarray(features.load(layer, images[first:last], dtype=dtype))
+        return {hook_name: patches.as_rows(values).reshape(last - first, patches.positions, patches.width)}
+
+    return patches.positions, patches.width, len(images), read
+
+
+def _write_shard(path: Path, schema: Any, read: Contexts, contexts: range, per_block: int, bar: tqdm) -> None:
     """One arrow file of the contexts ``contexts``, written a block of ``per_block`` contexts at a time."""
     from datasets.arrow_writer import ArrowWriter
 
-    features, context_size = export.features, export.context_size
     writer = ArrowWriter(features=schema, path=str(path))
     try:
-        for first in range(contexts.start, contexts.stop, export.per_block):
-            last = min(contexts.stop, first + export.per_block)
-            rows = slice(first * context_size, last * context_size)
-            values = np.asarray(features.load(export.layer, rows, dtype=export.dtype))
-            ids = features.load_token_ids(rows).astype(np.int32, copy=False)
-            writer.write_batch(
-                {
-                    export.hook_name: values.reshape(last - first, context_size, -1),
-                    "token_ids": ids.reshape(last - first, context_size),
-                }
-            )
-            del values, ids
+        for first in range(contexts.start, contexts.stop, per_block):
+            last = min(contexts.stop, first + per_block)
+            columns = read(first, last)
+            writer.write_batch(columns)
+            del columns
             bar.update(last - first)
         writer.finalize()
     finally:

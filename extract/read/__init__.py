@@ -1,6 +1,7 @@
 """Reading a store: ``Features`` / ``open_features`` for numpy, zarr and torch (``Features.text``, a
 ``TextView``, for a text store's tokens), and the map-style torch dataset and chunk-window sampler for
-training on stored features, and ``TokenStream``, shuffled batches of a token store's rows;
+training on stored features, and ``TokenStream``, shuffled batches of a token store's rows (of several
+stores of the same tokens side by side, or of an image store's patches: ``sources``);
 ``decode_bfloat16`` for xarray over a store with bfloat16 layers."""
 
 from .bfloat16 import decode_bfloat16

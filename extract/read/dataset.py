@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, Sampler
 from ..names import Kind
 from ..store.location import check_not_forked, locate
 from .features import Features, open_features
+from .sources import Rows, layer_rows
 
 Sample = tuple[torch.Tensor | dict[str, torch.Tensor], int]
 
@@ -30,6 +31,14 @@ class FeatureDataset(Dataset):
     extraction. Labels are read with their chunk, so a store still being written (``allow_partial``)
     serves the labels of the chunks written since the dataset was made. The store is opened lazily in
     each process: only the path is pickled to DataLoader workers, never an open zarr handle.
+
+    ``rows="patches"`` reads an image store's per-position layers (a ViT block or a conv map kept whole,
+    ``--pool none``) as one sample per (image, patch), as ``TokenStream`` streams them: item
+    ``i = image * positions + patch`` is that patch's (D,) row and its image's label, where ``positions``
+    is the patches per image (a ViT's tokens, CLS first; ``h * W + w`` of a map). ``len`` is
+    ``num_samples * positions`` and a chunk is ``chunk_rows`` = ``chunk_size * positions`` rows: pass
+    ``ChunkShuffleSampler(len(dataset), dataset.chunk_rows, ...)``, and ``subset=np.arange(len(dataset))
+    % dataset.positions >= 1`` to leave out each image's CLS token.
     """
 
     def __init__(
@@ -41,7 +50,10 @@ class FeatureDataset(Dataset):
         dtype: str = "float32",
         allow_partial: bool = False,
         cache_chunks: int = 1,
+        rows: str = "samples",
     ) -> None:
+        if rows not in ("samples", "patches"):
+            raise ValueError(f"rows={rows!r}: 'samples' (one per stored sample) or 'patches' (one per image patch)")
         self.location = locate(path)  # a URL on object storage stays one (s3://...)
         self.path = self.location.place
         self.dtype, self.allow_partial = dtype, allow_partial
@@ -59,9 +71,26 @@ class FeatureDataset(Dataset):
             # extraction), fails here, in the main process, not at the first item in a DataLoader worker
             pool = self.pools[layer]
             features.pooled_shape(layer, pool, call=f"FeatureDataset(..., {layer!r}, pool={pool!r})")
+        self.patches = self._patch_rows(features) if rows == "patches" else None
+        self.positions = 1 if self.patches is None else next(iter(self.patches.values())).positions
         self.num_samples, self.chunk_size = features.num_samples, features.chunk_size
+        self.chunk_rows = self.chunk_size * self.positions
         self.chunk_reads = 0  # in this process; lets tests and benchmarks check the sampler's locality
         self._reset()
+
+    def _patch_rows(self, features: Features) -> dict[str, Rows]:
+        """Each layer's patches (``rows="patches"``): an image store's per-position layers, read whole."""
+        if features.kind is not Kind.IMAGES:
+            raise ValueError(
+                f"rows='patches' reads an image store's patches; {features.path} is a {features.kind} store"
+            )
+        if any(pool not in (None, "none") for pool in self.pools.values()):
+            raise ValueError("rows='patches' reads each patch's row: leave pool=None")
+        patches = {layer: layer_rows(features, layer) for layer in self.layers}
+        if len({rows.positions for rows in patches.values()}) > 1:
+            counts = {layer: rows.positions for layer, rows in patches.items()}
+            raise ValueError(f"rows='patches': the layers have different numbers of patches per image ({counts})")
+        return patches
 
     def _reset(self) -> None:
         self._features: Features | None = None
@@ -73,13 +102,13 @@ class FeatureDataset(Dataset):
         return state
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self.num_samples * self.positions
 
     def __getitem__(self, index: int) -> Sample:
-        if not -self.num_samples <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        index %= self.num_samples
-        chunk, row = divmod(index, self.chunk_size)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        index %= len(self)
+        chunk, row = divmod(index, self.chunk_rows)
         cached = self._cache.get(chunk)
         if cached is None:
             cached = self._read_chunk(chunk)
@@ -103,6 +132,9 @@ class FeatureDataset(Dataset):
             labels = self._features.labels[self._features.documents_of(rows)]
         else:
             labels = self._features.load_labels(rows)
+        if self.patches is not None:  # each image's patches, in order, with the image's label
+            values = {layer: self.patches[layer].as_rows(value) for layer, value in values.items()}
+            labels = np.repeat(labels, self.positions)
         self._cache[chunk] = (values, labels)
         while len(self._cache) > self.cache_chunks:
             self._cache.popitem(last=False)

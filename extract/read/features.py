@@ -429,8 +429,10 @@ class Features:
         recorded with each chunk (no data read): ``count`` (rows counted; NaN rows of invalid samples and
         empty documents are not), ``mean`` and ``std`` (population) of each value, (F,) float64,
         ``mean_norm`` (mean L2 norm of a row), ``max_abs`` and ``scaling_factor`` = sqrt(F) / mean_norm,
-        SAELens's activation normalization factor. Only layers stored as 1-D rows (text layers, pooled
-        image layers) have statistics."""
+        SAELens's activation normalization factor. Layers stored as 1-D rows (text layers, pooled image
+        layers) have statistics of their rows; layers kept whole in a known layout (a ViT block or a conv
+        map under ``--pool none``), of their positions' channel vectors (F = C, every (image, patch) a
+        row, as ``TokenStream`` streams them)."""
         array = self.array(layer)
         known = self.store.stats_layers()
         if known is None:
@@ -442,7 +444,8 @@ class Features:
             shape = ", ".join(map(str, array.shape[1:]))
             raise ExtractError(
                 f"{self.path}: layer '{layer}' is stored as ({shape}) per row and statistics are kept for 1-D rows "
-                "only; extract it with --pool to have them, or compute them from load()"
+                "and for layers with a known layout only (or the store predates per-position statistics); "
+                "extract it with --pool or --layout to have them, or compute them from load()"
             )
         name, reads, what = f"{STATS}/{layer}", self._reads, f"statistics of layer '{layer}'"
         if self.complete and not reads.done.all():  # statistics merged over fewer chunks would look whole
@@ -458,7 +461,7 @@ class Features:
             if bad is None:
                 raise
             raise reads.damaged(what, bad, f"fail their check ({first_line(e)})") from None
-        return merge_stats(recorded, rows.attrs["columns"], self.shapes[layer])
+        return merge_stats(recorded, rows.attrs["columns"], tuple(rows.attrs.get("shape") or self.shapes[layer]))
 
     def layout(self, layer: str) -> str | None:
         """The stored array's layout (``NCHW``, ``NHWC``, ``NLC``, ``NCL``), as the store records it or,

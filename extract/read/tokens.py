@@ -1,6 +1,8 @@
 """A torch ``IterableDataset`` that streams a token store's rows in shuffled batches for training on
-activations (an SAE, a probe): whole chunks read in windows by background threads, rows shuffled
-across each window, every kept token exactly once per epoch over all ranks and DataLoader workers."""
+activations (an SAE, a probe, a transcoder, a crosscoder): whole chunks read in windows by background
+threads, rows shuffled across each window, every kept token exactly once per epoch over all ranks and
+DataLoader workers. Its rows may be several layers of one store, the same rows of several stores built
+from the same tokens, or the patches of an image store's per-position layers (``sources.py``)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ from ..errors import ExcludeRuleError, ExtractError
 from ..names import Kind
 from ..store import dtypes as storage
 from ..store.chunks import Plan
-from ..store.location import check_not_forked, locate
+from ..store.location import Location, check_not_forked, locate
 from .dataset import _rank_and_world_size
 from .features import Features, _read, open_features
+from .sources import Rows, check_aligned, layer_rows
 
-Batch = torch.Tensor | dict[str, torch.Tensor]
+Key = str | tuple[int, str]  # a layer's name; with a list of stores, (the store's place in it, the layer)
+Batch = torch.Tensor | dict[Key, torch.Tensor]
 
 # high_norm's median is taken over the rows of every chunk of a store of at most this many chunks, else of
 # this many chunks drawn with np.random.default_rng(0) (the same on every rank, worker and epoch)
@@ -35,7 +39,7 @@ RULE_FORMS = "'special', 'first:K' (K a positive int) or 'high_norm:M' (M a posi
 @dataclass(frozen=True)
 class _Rules:
     special: bool = False
-    first: int = 0  # drop positions < first of each document (context)
+    first: int = 0  # drop positions < first of each document (context), or of each image's patches
     high_norm: float | None = None  # drop rows whose norm exceeds high_norm x the median norm
 
 
@@ -67,21 +71,46 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return value
 
 
+def _layers_per_store(layers: str | Sequence[str] | Sequence[Sequence[str]], stores: int) -> list[list[str]]:
+    """``layers`` for each store: the same name or names for every store, or one list per store."""
+    if isinstance(layers, str):
+        return [[layers]] * stores
+    given = list(layers)
+    if given and all(not isinstance(names, str) for names in given):
+        if len(given) != stores:
+            raise ValueError(f"layers: {len(given)} lists of layers for {stores} stores; give one list per store")
+        return [[names] if isinstance(names, str) else list(names) for names in given]
+    return [given] * stores
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One layer of one store: where its rows are read from, and its key in a batch dict."""
+
+    store: int  # the store's place in the stream's list
+    layer: str
+    rows: Rows
+    key: Key
+
+
 @dataclass
 class _Buffers:
-    """What a pass reads into, kept for the next epoch's: two windows of ``dtype`` rows per layer, and
-    one stored-dtype chunk per reading thread for the chunks that are converted (taken from ``scratch``
-    by a task, put back when it is done)."""
+    """What a pass reads into, kept for the next epoch's: two windows of ``dtype`` rows (one tensor per
+    source, or one (rows, sources, D) tensor when stacked), and one stored-dtype chunk per reading thread
+    for the chunks that are converted (taken from ``scratch`` by a task, put back when it is done)."""
 
-    windows: list[dict[str, torch.Tensor]]
+    windows: list[list[torch.Tensor]]
     scratch: queue.SimpleQueue
 
     @classmethod
-    def make(cls, shapes: dict[str, tuple[int, int]], dtype: torch.dtype, threads: int) -> _Buffers:
+    def make(cls, shapes: list[tuple[int, ...]], dtype: torch.dtype, threads: int) -> _Buffers:
         scratch: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, threads)):
-            scratch.put({})  # layer -> its chunk, made at first use
-        return cls([{layer: _alloc(shape, dtype) for layer, shape in shapes.items()} for _ in range(2)], scratch)
+            scratch.put({})  # source -> its chunk, made at first use
+        return cls([[_alloc(shape, dtype) for shape in shapes] for _ in range(2)], scratch)
+
+    def fits(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> bool:
+        return [tuple(t.shape) for t in self.windows[0]] == shapes and self.windows[0][0].dtype == dtype
 
 
 @dataclass
@@ -89,7 +118,7 @@ class _Window:
     """A window read: the rows kept (window-local) and every row's global index."""
 
     keep: np.ndarray  # (kept,) int64, positions in the window's buffers
-    rows: np.ndarray  # (window rows,) int64, global token rows
+    rows: np.ndarray  # (window rows,) int64, global rows (sample x positions + position)
 
 
 class TokenStream(IterableDataset):
@@ -99,46 +128,62 @@ class TokenStream(IterableDataset):
     ``token_positions`` say where they come from). Use it as ``DataLoader(stream, batch_size=None,
     num_workers=k)``: it batches itself.
 
-    An epoch yields every token that ``exclude`` keeps exactly once, over all ranks and workers. The
-    epoch's chunk order is a permutation seeded by ``(seed, epoch)``, the same on every rank; rank r
-    takes every ``world_size``-th chunk of it (as ``ChunkShuffleSampler`` does; ``rank`` and
-    ``world_size`` default to those of an initialized process group), and DataLoader worker w of W
-    every W-th of the rank's chunks. Each worker reads its chunks ``window`` at a time, permutes the
-    window's kept rows and emits full batches, carrying the rest into the next window; its last
-    partial batch is emitted unless ``drop_last``, so with W workers a rank may end with up to W short
-    batches. Ranks may get a chunk more or less than others: stop all at the shortest or use DDP's
-    ``join()``. ``set_epoch(e)`` reshuffles deterministically; call it before iterating (a DataLoader
-    with ``persistent_workers=True`` would keep the workers' old epoch).
+    Several stores (``store`` a list) built from the same tokens, say two models with one tokenizer
+    (a crosscoder) or two runs, are read side by side: row i of every source in a batch is the same
+    token. They are refused in one line naming the first difference unless their tokenizer, packing,
+    token count, ``--chunk-size``, document offsets and token rows agree, proven by the digests the
+    stores recorded (``sources.check_aligned``). A batch is then a dict keyed by ``(i, layer)``, ``i``
+    the store's place in the list; ``layers`` names the layers of every store, or is one list per
+    store. ``stack=True`` gives one ``(batch, sources, D)`` tensor instead (sources in the order store
+    by store, then layer by layer; their D must agree), for one store's layers too.
+
+    An image store's per-position layers stream as one row per (image, patch): a ViT block kept whole
+    (``--pool none``: (T, D) per image, CLS and register tokens first), or a conv map (NCHW / NHWC as H x W
+    rows of C, patch ``h * W + w``), as the store's ``layouts`` say; every layer read must have as many
+    patches. ``return_index=True`` then gives a (batch, 2) int64 tensor of (image, patch) pairs, and
+    rows of images that could not be decoded (``valid`` False) are never yielded.
+
+    An epoch yields every row that ``exclude`` keeps exactly once, over all ranks and workers. The
+    epoch's chunk order is a permutation seeded by ``(seed, epoch)``, the same on every rank and for
+    every source; rank r takes every ``world_size``-th chunk of it (as ``ChunkShuffleSampler`` does;
+    ``rank`` and ``world_size`` default to those of an initialized process group), and DataLoader
+    worker w of W every W-th of the rank's chunks. Each worker reads its chunks ``window`` at a time,
+    permutes the window's kept rows and emits full batches, carrying the rest into the next window; its
+    last partial batch is emitted unless ``drop_last``, so with W workers a rank may end with up to W
+    short batches. Ranks may get a chunk more or less than others: stop all at the shortest or use
+    DDP's ``join()``. ``set_epoch(e)`` reshuffles deterministically; call it before iterating (a
+    DataLoader with ``persistent_workers=True`` would keep the workers' old epoch).
 
     ``threads`` background threads read and decode the next window (whole chunks, through zarr, which
     checks each object's checksum) while the consumer takes batches from this one, and convert it to
     ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
-    (``2 x window x chunk_size x D`` per layer) plus a stored chunk per thread. zarr's decode and the
-    conversion release the GIL, so ``num_workers=0`` already uses several cores; DataLoader workers add a
-    copy of every batch through shared memory, which on a small machine costs more than the decode
-    (``benchmarks/token_stream.py``).
+    (``2 x window x chunk_size x D`` per source, times the patches per image) plus a stored chunk per
+    thread. zarr's decode and the conversion release the GIL, so ``num_workers=0`` already uses several
+    cores; DataLoader workers add a copy of every batch through shared memory, which on a small machine
+    costs more than the decode (``benchmarks/token_stream.py``).
 
     ``exclude`` rules (a str or a sequence of them) drop rows:
 
     - ``"special"``: the tokenizer's special tokens (``Features.special``: BOS, EOS, CLS, SEP, and the
-      BOS and separators packing inserted);
+      BOS and separators packing inserted); token stores only;
     - ``"first:K"``: positions 0..K-1 of every document (every context of a packed store), the
-      attention sinks;
+      attention sinks; of an image, its first K tokens (``first:1`` the CLS token, ``first:5`` CLS and
+      four registers);
     - ``"high_norm:M"``: rows whose L2 norm (computed in float32 from the stored values) exceeds M x
-      the layer's median norm; with several layers a row is dropped if it does so in any of them.
-      The median (``median_norms``, per layer) is of the rows the other rules keep, over every chunk
-      of a store of at most ``NORM_SAMPLE_CHUNKS`` (32) chunks, else over 32 chunks drawn with
-      ``np.random.default_rng(0)``: computed once, when the stream is made, the same for every
-      rank, worker and epoch.
+      the source's median norm; with several sources a row is dropped if it does so in any of them.
+      The median (``median_norms``, per source, keyed as a batch dict is) is of the rows the other
+      rules keep, over every chunk of a store of at most ``NORM_SAMPLE_CHUNKS`` (32) chunks, else over
+      32 chunks drawn with ``np.random.default_rng(0)``: computed once, when the stream is made, the
+      same for every rank, worker and epoch.
 
-    The store is opened once per process that iterates: only the path is pickled to DataLoader
-    workers, never an open zarr handle. It must be a complete token store (``kind`` tokens).
+    The stores are opened once per process that iterates: only the paths are pickled to DataLoader
+    workers, never an open zarr handle. They must be complete.
     """
 
     def __init__(
         self,
-        store: str | Path,
-        layers: str | Sequence[str],
+        store: str | Path | Sequence[str | Path],
+        layers: str | Sequence[str] | Sequence[Sequence[str]],
         batch_size: int,
         *,
         window: int = 8,
@@ -150,38 +195,70 @@ class TokenStream(IterableDataset):
         drop_last: bool = False,
         threads: int = 2,
         return_index: bool = False,
+        stack: bool = False,
     ) -> None:
         if batch_size < 1 or window < 1 or threads < 0:
             raise ValueError(
                 f"batch_size and window must be positive, threads 0 or more; got {batch_size}, {window}, {threads}"
             )
+        several = not isinstance(store, (str, Path))
         self.path = store
-        self.single = isinstance(layers, str)
-        self.layers = [layers] if isinstance(layers, str) else list(layers)
-        if not self.layers:
+        given: list[str | Path] = list(store) if several else [store]  # type: ignore[list-item]
+        # parsed once: every process that iterates opens them
+        self.locations: list[Location] = [locate(path) for path in given]
+        if not self.locations:
+            raise ValueError("store: name a store, or a list of stores")
+        per_store = _layers_per_store(layers, len(self.locations))
+        if not all(per_store):
             raise ValueError("layers: name at least one layer")
+        self.layers = per_store[0]
+        self.stack, self.single = stack, not several and isinstance(layers, str) and not stack
         self.batch_size, self.window, self.threads = batch_size, window, threads
         self.seed, self.epoch, self.drop_last, self.return_index = seed, 0, drop_last, return_index
         self.dtype = _torch_dtype(dtype)
         self.rules = _parse_rules(exclude)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
-        self.location = locate(store)  # parsed once: every process that iterates opens it
-        features = open_features(self.location)
-        if features.kind is not Kind.TOKENS:
-            raise ExtractError(
-                f"{features.path} is not a token store (kind '{features.kind}'); TokenStream reads token "
-                "stores' rows: read this one with FeatureDataset"
+        opened = [open_features(location) for location in self.locations]
+        if several:
+            check_aligned(opened)
+        self.sources = [
+            _Source(i, layer, layer_rows(features, layer), (i, layer) if several else layer)
+            for i, (features, names) in enumerate(zip(opened, per_store, strict=True))
+            for layer in names
+        ]
+        self._check_sources(opened[0])
+        first = opened[0]
+        self.images = first.kind is Kind.IMAGES
+        if self.images and self.rules.special:
+            raise ExcludeRuleError(
+                f"exclude rule 'special': {first.path} is an image store, which has no special tokens; "
+                "use 'first:K' to drop each image's CLS and register tokens"
             )
-        for layer in self.layers:
-            if len(features.array(layer).shape) != 2:  # an unknown layer fails here, with the valid names
-                raise ExtractError(f"{features.path}: layer '{layer}' is not stored as (tokens, D) rows")
-        self.num_tokens, self.chunk_size = features.num_samples, features.chunk_size
-        self.num_chunks = features.num_chunks
-        self.median_norms: dict[str, float] | None = None
-        self._features: Features | None = features
+        self.positions = self.sources[0].rows.positions  # rows per stored sample: 1 for a token store
+        self.num_samples, self.chunk_size = first.num_samples, first.chunk_size
+        self.num_chunks = first.num_chunks
+        self.num_rows = self.num_tokens = self.num_samples * self.positions
+        self.median_norms: dict[Key, float] | None = None
+        self._features: list[Features] | None = opened
         self._spare: list[_Buffers] = []  # the last pass's buffers, for the next one in this process
         if self.rules.high_norm is not None:
-            self.median_norms = self._median_norms(features)
+            self.median_norms = self._median_norms(opened)
+
+    def _check_sources(self, first: Features) -> None:
+        keys = [source.key for source in self.sources]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"layers: a layer is named twice ({keys})")
+        positions = {source.key: source.rows.positions for source in self.sources}
+        if len(set(positions.values())) > 1:
+            raise ExtractError(
+                f"{first.path}: the layers have different numbers of patches per image ({positions}); "
+                "stream layers of one patch grid together"
+            )
+        widths = {source.key: source.rows.width for source in self.sources}
+        if self.stack and len(set(widths.values())) > 1:
+            raise ExtractError(
+                f"stack=True needs one width D for every source, but they have {widths}; use stack=False"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -191,14 +268,16 @@ class TokenStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def _open(self) -> Features:
-        check_not_forked(self.location)
+    def _open(self) -> list[Features]:
+        for location in self.locations:
+            check_not_forked(location)
         if self._features is None:
-            self._features = open_features(self.location)
+            self._features = [open_features(location) for location in self.locations]
         return self._features
 
     def _bounds(self, chunk: int) -> tuple[int, int]:
-        return Plan(self.num_tokens, self.chunk_size).bounds(int(chunk))
+        """The samples (tokens, or images) of chunk ``chunk``."""
+        return Plan(self.num_samples, self.chunk_size).bounds(int(chunk))
 
     def chunks(self, worker: int = 0, num_workers: int = 1) -> np.ndarray:
         """The chunks this rank's worker ``worker`` of ``num_workers`` reads this epoch, in reading order."""
@@ -206,8 +285,14 @@ class TokenStream(IterableDataset):
         return order[self.rank :: self.world_size][worker::num_workers]
 
     def _kept_by_position(self, features: Features, chunk: int) -> np.ndarray:
-        """The rows of chunk ``chunk`` that ``special`` and ``first:K`` keep."""
+        """The rows of chunk ``chunk`` that ``special`` and ``first:K`` keep (of an image store: the
+        patches of its valid images that ``first:K`` keeps)."""
         start, stop = self._bounds(chunk)
+        if self.images:
+            keep = np.repeat(features.valid[start:stop], self.positions)
+            if self.rules.first:
+                keep &= np.tile(np.arange(self.positions) >= self.rules.first, stop - start)
+            return keep
         keep = np.ones(stop - start, dtype=bool)
         if self.rules.special:
             special = features.store.array("special")
@@ -220,7 +305,7 @@ class TokenStream(IterableDataset):
         return keep
 
     def _read_stored(self, features: Features, layer: str, chunk: int, into: np.ndarray) -> np.ndarray:
-        """Chunk ``chunk`` of ``layer`` as stored, into the first rows of ``into``; a missing or damaged
+        """Chunk ``chunk`` of ``layer`` as stored, into the first samples of ``into``; a missing or damaged
         object is an error naming it (``Features``' own check)."""
         start, stop = self._bounds(chunk)
         array = features.array(layer)
@@ -228,27 +313,43 @@ class TokenStream(IterableDataset):
             f"features/{layer}", f"layer '{layer}'", [chunk], lambda: _read(array, slice(start, stop), into)
         )
 
-    def _median_norms(self, features: Features) -> dict[str, float]:
+    def _median_norms(self, opened: list[Features]) -> dict[Key, float]:
         if self.num_chunks <= NORM_SAMPLE_CHUNKS:
             sample = np.arange(self.num_chunks)
         else:
             sample = np.sort(np.random.default_rng(0).choice(self.num_chunks, NORM_SAMPLE_CHUNKS, replace=False))
-        norms: dict[str, list[np.ndarray]] = {layer: [] for layer in self.layers}
+        norms: list[list[np.ndarray]] = [[] for _ in self.sources]
         for chunk in sample:
             start, stop = self._bounds(chunk)
-            keep = self._kept_by_position(features, chunk)
-            for layer in self.layers:
-                array = features.array(layer)
-                values = self._read_stored(
-                    features, layer, chunk, np.empty((stop - start, array.shape[1]), array.dtype)
-                )
-                norms[layer].append(_norms(storage.as_tensor(values, storage.is_bfloat16(array)))[keep])
-        medians = {layer: float(np.median(np.concatenate(found))) for layer, found in norms.items()}
+            keep = self._kept_by_position(opened[0], chunk)
+            for found, source in zip(norms, self.sources, strict=True):
+                features = opened[source.store]
+                into = np.empty((stop - start, *source.rows.shape), features.array(source.layer).dtype)
+                values = self._read_stored(features, source.layer, chunk, into)
+                tensor = storage.as_tensor(values, storage.is_bfloat16(features.array(source.layer)))
+                found.append(_norms(source.rows.as_rows(tensor))[keep])
+        medians = {
+            source.key: float(np.median(np.concatenate(found)))
+            for source, found in zip(self.sources, norms, strict=True)
+        }
         if any(not np.isfinite(m) for m in medians.values()):
             raise ExtractError(
-                f"{features.path}: no rows to take the median norm of for high_norm (every row is excluded)"
+                f"{opened[0].path}: no rows to take the median norm of for high_norm (every row is excluded)"
             )
         return medians
+
+    def _shapes(self) -> list[tuple[int, ...]]:
+        """The window buffers' shapes: one (rows, D) per source, or one (rows, sources, D) stacked."""
+        rows = self.window * self.chunk_size * self.positions
+        if self.stack:
+            return [(rows, len(self.sources), self.sources[0].rows.width)]
+        return [(rows, source.rows.width) for source in self.sources]
+
+    def _targets(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each source's (rows, D) part of a window's buffers."""
+        if self.stack:
+            return [buffers[0][:, i] for i in range(len(self.sources))]
+        return buffers
 
     def __iter__(self) -> Iterator[Batch | tuple[Batch, torch.Tensor]]:
         info = get_worker_info()
@@ -257,121 +358,148 @@ class TokenStream(IterableDataset):
         windows = [chunks[i : i + self.window] for i in range(0, len(chunks), self.window)]
         if not windows:
             return
-        features = self._open()
-        # what the threads share, made here once rather than raced for: the listing of missing objects,
-        # the arrays, the offsets
-        features._reads.lost  # noqa: B018
-        if self.rules.special:
-            features.store.array("special")
-        if self.rules.first:
-            features.offsets  # noqa: B018
+        opened = self._open()
+        self._prepare(opened)
         rng = np.random.default_rng((self.seed, self.epoch, 1, self.rank, worker))
-        shapes = {layer: (self.window * self.chunk_size, features.array(layer).shape[1]) for layer in self.layers}
+        shapes = self._shapes()
         spare = self._spare.pop() if self._spare else None  # another pass in this process takes none
-        same = spare is not None and {k: tuple(v.shape) for k, v in spare.windows[0].items()} == shapes
-        reuse = same and spare.windows[0][self.layers[0]].dtype == self.dtype
-        allocated = spare if reuse else _Buffers.make(shapes, self.dtype, self.threads)
+        allocated = spare if spare is not None and spare.fits(shapes, self.dtype) else None
+        allocated = allocated or _Buffers.make(shapes, self.dtype, self.threads)
         buffers, scratch = allocated.windows, allocated.scratch
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-stream") if self.threads else None
-        carry: tuple[dict[str, torch.Tensor], np.ndarray] | None = None
         try:
-            pending = self._submit(pool, features, windows[0], buffers[0], scratch)
-            for k in range(len(windows)):
-                window = _gather(pending)
-                if k + 1 < len(windows):
-                    pending = self._submit(pool, features, windows[k + 1], buffers[(k + 1) % 2], scratch)
-                values = buffers[k % 2]
-                order = rng.permutation(window.keep)
-                at = 0
-                if carry is not None:
-                    take = order[: self.batch_size - len(carry[1])]
-                    at = len(take)
-                    merged = (
-                        {layer: _take(values[layer], take, head=carry[0][layer]) for layer in self.layers},
-                        np.concatenate([carry[1], window.rows[take]]),
-                    )
-                    if len(merged[1]) < self.batch_size:
-                        carry = merged
-                        continue
-                    carry = None
-                    yield self._item(*merged)
-                while at + self.batch_size <= len(order):
-                    take = order[at : at + self.batch_size]
-                    at += self.batch_size
-                    yield self._item({layer: _take(values[layer], take) for layer in self.layers}, window.rows[take])
-                if at < len(order):
-                    take = order[at:]
-                    carry = ({layer: _take(values[layer], take) for layer in self.layers}, window.rows[take])
-            if carry is not None and not self.drop_last:
-                yield self._item(*carry)
+            read = lambda k: self._submit(pool, opened, windows[k], buffers[k % 2], scratch)  # noqa: E731
+            yield from self._batches(len(windows), read, buffers, rng)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             self._spare = [allocated]
 
-    def _under_norm(self, layer: str, values: torch.Tensor) -> np.ndarray | bool:
-        """The rows of ``values`` that ``high_norm`` keeps (True without the rule)."""
+    def _prepare(self, opened: list[Features]) -> None:
+        """Read what the threads share once, here, rather than race for it: the listing of missing objects,
+        the arrays, the offsets or the valid flags."""
+        for features in opened:
+            features._reads.lost  # noqa: B018
+            for source in self.sources:
+                if opened[source.store] is features:
+                    features.array(source.layer)
+        if self.images:
+            opened[0].valid  # noqa: B018
+        if self.rules.special:
+            opened[0].store.array("special")
+        if self.rules.first and not self.images:
+            opened[0].offsets  # noqa: B018
+
+    def _batches(
+        self, count: int, read: Any, buffers: list[list[torch.Tensor]], rng: np.random.Generator
+    ) -> Iterator[Batch | tuple[Batch, torch.Tensor]]:
+        """The batches of ``count`` windows, each read by ``read(k)`` (the next one while this one is cut)."""
+        carry: tuple[list[torch.Tensor], np.ndarray] | None = None
+        pending = read(0)
+        for k in range(count):
+            window = _gather(pending, self.positions)
+            if k + 1 < count:
+                pending = read(k + 1)
+            values = buffers[k % 2]
+            order = rng.permutation(window.keep)
+            at = 0
+            if carry is not None:
+                take = order[: self.batch_size - len(carry[1])]
+                at = len(take)
+                merged = (
+                    [_take(v, take, head=h) for v, h in zip(values, carry[0], strict=True)],
+                    np.concatenate([carry[1], window.rows[take]]),
+                )
+                if len(merged[1]) < self.batch_size:
+                    carry = merged
+                    continue
+                carry = None
+                yield self._item(*merged)
+            while at + self.batch_size <= len(order):
+                take = order[at : at + self.batch_size]
+                at += self.batch_size
+                yield self._item([_take(v, take) for v in values], window.rows[take])
+            if at < len(order):
+                take = order[at:]
+                carry = ([_take(v, take) for v in values], window.rows[take])
+        if carry is not None and not self.drop_last:
+            yield self._item(*carry)
+
+    def _under_norm(self, source: _Source, rows: torch.Tensor) -> np.ndarray | bool:
+        """The rows of ``rows`` that ``high_norm`` keeps (True without the rule)."""
         if self.rules.high_norm is None:
             return True
-        return _norms(values) <= self.rules.high_norm * self.median_norms[layer]
+        return _norms(rows) <= self.rules.high_norm * self.median_norms[source.key]
 
-    def _item(self, values: dict[str, torch.Tensor], rows: np.ndarray) -> Batch | tuple[Batch, torch.Tensor]:
-        batch: Batch = values[self.layers[0]] if self.single else values
-        return (batch, torch.from_numpy(rows)) if self.return_index else batch
+    def _item(self, values: list[torch.Tensor], rows: np.ndarray) -> Batch | tuple[Batch, torch.Tensor]:
+        batch: Batch
+        if self.stack or self.single:
+            batch = values[0]
+        else:
+            batch = {source.key: value for source, value in zip(self.sources, values, strict=True)}
+        if not self.return_index:
+            return batch
+        if self.positions == 1:
+            return batch, torch.from_numpy(rows)
+        return batch, torch.from_numpy(np.stack(np.divmod(rows, self.positions), axis=1))
 
     def _submit(
         self,
         pool: ThreadPoolExecutor | None,
-        features: Features,
+        opened: list[Features],
         chunks: np.ndarray,
-        buffers: dict[str, torch.Tensor],
+        buffers: list[torch.Tensor],
         scratch: queue.SimpleQueue,
     ) -> list[tuple[Future | np.ndarray, int, int]]:
         """Start reading ``chunks`` into ``buffers`` (one task a chunk); (keep mask or its future, start, stop)."""
         tasks = []
         at = 0
+        targets = self._targets(buffers)
         for chunk in chunks:
             start, stop = self._bounds(chunk)
-            args = (features, int(chunk), buffers, at, scratch)
+            args = (opened, int(chunk), targets, at, scratch)
             tasks.append((pool.submit(self._fill, *args) if pool is not None else self._fill(*args), start, stop))
-            at += stop - start
+            at += (stop - start) * self.positions
         return tasks
 
     def _fill(
-        self, features: Features, chunk: int, buffers: dict[str, torch.Tensor], at: int, scratch: queue.SimpleQueue
+        self, opened: list[Features], chunk: int, targets: list[torch.Tensor], at: int, scratch: queue.SimpleQueue
     ) -> np.ndarray:
-        """Read chunk ``chunk`` of every layer into rows ``at:`` of ``buffers``, converted to ``dtype``, and
+        """Read chunk ``chunk`` of every source into rows ``at:`` of its target, converted to ``dtype``, and
         return the mask of its rows the rules keep."""
         start, stop = self._bounds(chunk)
-        keep = self._kept_by_position(features, chunk)
-        for layer in self.layers:
-            array = features.array(layer)
-            target = buffers[layer][at : at + stop - start]
-            direct = storage.numpy_view(target, array)
+        samples = stop - start
+        keep = self._kept_by_position(opened[0], chunk)
+        for index, source in enumerate(self.sources):
+            features = opened[source.store]
+            array = features.array(source.layer)
+            target = targets[index][at : at + samples * self.positions]
+            direct = storage.numpy_view(target, array) if source.rows.contiguous else None
             if direct is not None:  # zarr decodes straight into the window (bfloat16 too: its bits)
-                self._read_stored(features, layer, chunk, direct)
-                keep &= self._under_norm(layer, target)
+                self._read_stored(features, source.layer, chunk, _reshaped(direct, (samples, *source.rows.shape)))
+                keep &= self._under_norm(source, target)
                 continue
             mine = scratch.get()  # a thread's chunk: a fresh one each time would page-fault on every chunk
             try:
-                stored = mine.get(layer)
+                stored = mine.get(index)
                 if stored is None:
-                    stored = mine[layer] = np.empty((self.chunk_size, array.shape[1]), dtype=array.dtype)
-                values = storage.as_tensor(
-                    self._read_stored(features, layer, chunk, stored), storage.is_bfloat16(array)
-                )
-                target.copy_(values)
-                keep &= self._under_norm(layer, values)
+                    stored = mine[index] = np.empty((self.chunk_size, *source.rows.shape), dtype=array.dtype)
+                values = self._read_stored(features, source.layer, chunk, stored)
+                tensor = storage.as_tensor(values, storage.is_bfloat16(array))
+                moved = tensor if source.rows.channels is None else tensor.movedim(source.rows.channels, -1)
+                target.view(source.rows.moved_shape(samples)).copy_(moved)
+                if self.rules.high_norm is not None:
+                    keep &= self._under_norm(source, source.rows.as_rows(tensor))
             finally:
                 scratch.put(mine)
         return keep
 
 
-def _alloc(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized tensor in numpy's memory, which asks for transparent huge pages for large arrays:
     filling it page-faults far less than filling a ``torch.empty`` (a batch 2x, a window 5x faster here).
     Any dtype, bfloat16 too: the bytes are numpy's, the view torch's."""
-    nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
@@ -382,7 +510,7 @@ def _take(values: torch.Tensor, rows: np.ndarray, head: torch.Tensor | None = No
     them (7.6 ms of CPU for a 4096-row ``index_select`` with 2 torch threads on 2 busy cores, 0.5 ms here;
     ``benchmarks/codecs.py``)."""
     skip = 0 if head is None else len(head)
-    out = _alloc((skip + len(rows), values.shape[1]), values.dtype)
+    out = _alloc((skip + len(rows), *values.shape[1:]), values.dtype)
     into = _row_bytes(out)
     if head is not None:
         into[:skip] = _row_bytes(head)
@@ -391,8 +519,16 @@ def _take(values: torch.Tensor, rows: np.ndarray, head: torch.Tensor | None = No
 
 
 def _row_bytes(values: torch.Tensor) -> np.ndarray:
-    """A (rows, D) tensor's rows as (rows, D x itemsize) bytes, the same memory."""
+    """A (rows, ..., D) tensor's rows as (rows, ..., D x itemsize) bytes, the same memory."""
     return values.view(torch.uint8).numpy()
+
+
+def _reshaped(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``values`` (rows, possibly a stacked window's strided column) as ``shape``, the same memory: zarr
+    decodes into it, so a reshape that copied would lose the chunk (setting ``shape`` raises instead)."""
+    view = values.view()
+    view.shape = shape
+    return view
 
 
 def _norms(values: torch.Tensor) -> np.ndarray:
@@ -400,8 +536,8 @@ def _norms(values: torch.Tensor) -> np.ndarray:
     return torch.linalg.vector_norm(values, dim=1, dtype=torch.float32).numpy()
 
 
-def _gather(tasks: list[tuple[Future | np.ndarray, int, int]]) -> _Window:
-    """Wait for a window's chunks: its kept rows (window-local) and global rows."""
+def _gather(tasks: list[tuple[Future | np.ndarray, int, int]], positions: int = 1) -> _Window:
+    """Wait for a window's chunks: its kept rows (window-local) and global rows (``positions`` a sample)."""
     masks = [task.result() if isinstance(task, Future) else task for task, _, _ in tasks]
-    rows = np.concatenate([np.arange(start, stop) for _, start, stop in tasks])
+    rows = np.concatenate([np.arange(start * positions, stop * positions) for _, start, stop in tasks])
     return _Window(np.flatnonzero(np.concatenate(masks)), rows)

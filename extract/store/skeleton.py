@@ -100,18 +100,24 @@ class Skeleton:
 
     def _stats(self, root: zarr.Group, num_chunks: int) -> list[str]:
         """The ``stats`` group (stores from before it have none), with ``stats/<layer>`` for each layer
-        stored as 1-D rows (``stats.py``): one row per chunk, one object each, written with the chunk.
-        Returns their paths, for the digests' columns."""
-        group, paths = root.create_group(STATS), []
-        for layer, shape in self.shapes.items():
-            if stats.has_stats(shape):
-                features, width = int(np.prod(shape)), stats.width(int(np.prod(shape)))
-                group.create_array(
-                    layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
-                    compressors=checked(codecs("zstd")), dimension_names=("chunk", f"{layer}.statistic"),
-                    attributes={"columns": stats.columns(features)},
-                )  # fmt: skip
-                paths.append(f"{STATS}/{layer}")
+        stored as 1-D rows or, per position, in a known layout (``stats.py``): one row per chunk, one object
+        each, written with the chunk. The group's ``layers`` lists them (stores from before per-position
+        statistics list none: theirs are the 1-D layers). Returns their paths, for the digests' columns."""
+        layers = [layer for layer, shape in self.shapes.items() if stats.has_stats(shape, self.layouts.get(layer))]
+        group, paths = root.create_group(STATS, attributes={"layers": layers}), []
+        for layer in layers:
+            shape, layout = self.shapes[layer], self.layouts.get(layer)
+            features = stats.row_features(shape, layout)
+            width = stats.width(features)
+            group.create_array(
+                layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
+                compressors=checked(codecs("zstd")), dimension_names=("chunk", f"{layer}.statistic"),
+                attributes={
+                    "columns": stats.columns(features), "shape": [features],
+                    "channel_axis": stats.channel_axis(shape, layout),
+                },
+            )  # fmt: skip
+            paths.append(f"{STATS}/{layer}")
         return paths
 
     def _per_sample(self, group: zarr.Group) -> None:

@@ -9,8 +9,12 @@ row flattened to its F values. Stores written before the two counts have 3 + 2F 
 writes the row before ``done[k]``, so a resume recomputes exactly the rows of the chunks it redoes and the
 statistics always equal a recomputation from the stored data.
 
-Only layers whose stored row is 1-D have statistics (text layers, pooled image layers): an image layer
-kept whole, (C, H, W), would need 2 * C * H * W values a chunk, as large as a few of its rows.
+Layers whose stored row is 1-D have statistics of that row (text layers, pooled image layers). A layer
+kept whole with a known layout (``NLC``/``NCL`` tokens, ``NCHW``/``NHWC`` maps: a ViT block, a conv
+stage under ``--pool none``) has statistics of its positions' channel vectors: every (sample, patch)
+is a row of its C channels, as ``TokenStream`` streams it (``F = C``; the array's ``channel_axis``
+attribute says where the channels are). Whole rows, (C, H, W) flattened, would need 2 * C * H * W
+values a chunk, as large as a few of its rows. A layer of another shape (no layout) has none.
 
 A row with a NaN (an invalid sample, an empty document) is not counted. A row with an infinity (the
 model's own: a cast that would make one stops the job) is counted, so its statistics are infinite, as the
@@ -32,9 +36,24 @@ FLOAT16_MAX = 65504.0
 BLOCK_VALUES = 2**17
 
 
-def has_stats(shape: Sequence[int]) -> bool:
-    """Whether a layer stored as ``shape`` per row gets statistics: 1-D rows only."""
-    return len(shape) == 1
+def channel_axis(shape: Sequence[int], layout: str | None) -> int | None:
+    """The channel axis (of a chunk, sample axis first) of a layer stored as ``shape`` per row in
+    ``layout`` whose statistics are per position; None for a 1-D row or a shape the layout does not fit."""
+    if layout is None or len(shape) < 2 or len(layout) != len(shape) + 1:
+        return None
+    return layout.index("C")
+
+
+def has_stats(shape: Sequence[int], layout: str | None = None) -> bool:
+    """Whether a layer stored as ``shape`` per row (in ``layout``) gets statistics: 1-D rows, and
+    positions' channel vectors of a layer whose layout is known."""
+    return len(shape) == 1 or channel_axis(shape, layout) is not None
+
+
+def row_features(shape: Sequence[int], layout: str | None = None) -> int:
+    """F, the values a statistics row describes: the whole 1-D row, or one position's channels."""
+    axis = channel_axis(shape, layout)
+    return int(math.prod(shape)) if axis is None else int(shape[axis - 1])
 
 
 def columns(features: int) -> dict[str, list[int]]:
@@ -50,21 +69,28 @@ def width(features: int) -> int:
     return len(HEAD) + 2 * features
 
 
-def chunk_row(values: np.ndarray) -> np.ndarray:
-    """The statistics row, (5 + 2F,) float64, of a chunk's ``values`` (rows, ...) as stored, in float64."""
-    rows = values.reshape(len(values), -1)
-    features = rows.shape[1]
+def chunk_row(values: np.ndarray, channels: int | None = None) -> np.ndarray:
+    """The statistics row, (5 + 2F,) float64, of a chunk's ``values`` (samples, ...) as stored, in
+    float64: of each sample's flattened row, or with ``channels`` (the channel axis, ``channel_axis``)
+    of each position's channel vector."""
+    if channels is None:
+        values, positions = values.reshape(len(values), -1), 1
+    else:  # a view: each block is moved into the float64 buffer, never the whole chunk copied
+        values = np.moveaxis(values, channels, -1)
+        positions = math.prod(values.shape[1:-1])
+    features = values.shape[-1]
     row = np.zeros(width(features), dtype=np.float64)
     total, squares = row[len(HEAD) : len(HEAD) + features], row[len(HEAD) + features :]
     # two float64 buffers reused block after block: fresh ones would page-fault on every block
-    step = max(1, BLOCK_VALUES // max(1, features))
-    block_buffer = np.empty((min(step, len(rows)), features), dtype=np.float64)
+    step = max(1, BLOCK_VALUES // max(1, features * positions))  # samples per block
+    block_buffer = np.empty((min(step, len(values)) * positions, features), dtype=np.float64)
     square_buffer = np.empty_like(block_buffer)
     count, norms, peak, beyond, infinite = 0, 0.0, 0.0, 0, 0
-    for start in range(0, len(rows), step):
-        stored = rows[start : start + step]
-        block, square = block_buffer[: len(stored)], square_buffer[: len(stored)]
-        block[...] = stored  # the conversion to float64: exact
+    for start in range(0, len(values), step):
+        stored = values[start : start + step]
+        size = len(stored) * positions
+        block, square = block_buffer[:size], square_buffer[:size]
+        block.reshape(stored.shape)[...] = stored  # the conversion to float64: exact
         np.multiply(block, block, out=square)
         norm_squared = square.sum(axis=1)  # NaN exactly where the row has a NaN (inf * inf stays inf)
         kept = ~np.isnan(norm_squared)

@@ -155,14 +155,18 @@ class FeatureStore:
         return [(f"{STATS}/{layer}", self.array(f"{STATS}/{layer}")) for layer in self.stats_layers() or []]
 
     def stats_layers(self) -> list[str] | None:
-        """The layers that have ``stats/<layer>`` (those stored as 1-D rows, ``stats.py``); None for a store
-        written before stores kept statistics (it has no ``stats`` group)."""
+        """The layers that have ``stats/<layer>`` (as the ``stats`` group lists them; in a store from before
+        the list, those stored as 1-D rows, ``stats.py``); None for a store written before stores kept
+        statistics (it has no ``stats`` group)."""
         if not self._stats_looked:  # asked once per chunk written: look once
             self._stats_looked = True
             if self.has(STATS):
+                listed = self.group[STATS].attrs.get("layers")
                 layers = self.attrs.get("layers", [])
                 self._stats_layers = [
-                    layer for layer in layers if stats.has_stats(self.array(f"features/{layer}").shape[1:])
+                    layer
+                    for layer in layers
+                    if (layer in listed if listed is not None else len(self.array(f"features/{layer}").shape) == 2)
                 ]
         return None if self._stats_layers is None else list(self._stats_layers)
 
@@ -203,7 +207,8 @@ class FeatureStore:
             array = self.array(f"features/{layer}")
             array[start:stop] = values
             if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
-                self.array(f"{STATS}/{layer}")[chunk] = stats.chunk_row(dtypes.as_stored(values, array))
+                rows = self.array(f"{STATS}/{layer}")
+                rows[chunk] = stats.chunk_row(dtypes.as_stored(values, array), rows.attrs.get("channel_axis"))
         if labels is not None:
             self.array("labels")[start:stop] = labels
         if valid is not None:

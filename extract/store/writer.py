@@ -74,7 +74,7 @@ class ChunkWriter:
     samples (undecodable images) are stored as NaN; stored infinities are counted per layer in
     ``infinite`` (the model's own: a cast that would make one stops the job in ``staging.ready``,
     ``CastOverflowError``). ``write_chunk`` also records each chunk's statistics row of every 1-D layer
-    (``stats.py``), on the same threads.
+    and every layer kept whole in a known layout (per position, ``stats.py``), on the same threads.
     """
 
     def __init__(
