@@ -68,7 +68,7 @@ def _store(path: Path, dtype: str, chunks: int, compressor: str) -> FeatureStore
         attrs={"status": "running", "layers": ["h"], "num_samples": tokens, "chunk_size": ROWS}, kind="tokens",
         text=text,
     )  # fmt: skip
-    store.digests_array(), store.stats_layers()  # the existence checks, outside the timing
+    store.integrity.digests_array(), store.stats_layers()  # the existence checks, outside the timing
     return store
 
 

@@ -195,7 +195,7 @@ def _object_digests(store: Features, names: list[str], num_chunks: int) -> np.nd
     short, or a store from before checksums (every chunk is then read)."""
     if store.attrs.get("format_version", 0) < 2:
         return np.full((num_chunks, len(names)), -1, dtype=np.int64)
-    found = store.store.object_digests(range(num_chunks), names)
+    found = store.store.integrity.object_digests(range(num_chunks), names)
     return np.array([[-1 if d is None else d for d in found[k]] for k in range(num_chunks)], dtype=np.int64)
 
 
