@@ -229,11 +229,6 @@ class TokenStream(IterableDataset):
         self._check_sources(opened[0])
         first = opened[0]
         self.images = first.kind is Kind.IMAGES
-        if self.images and self.rules.special:
-            raise ExcludeRuleError(
-                f"exclude rule 'special': {first.path} is an image store, which has no special tokens; "
-                "use 'first:K' to drop each image's CLS and register tokens"
-            )
         self.positions = self.sources[0].rows.positions  # rows per stored sample: 1 for a token store
         self.num_samples, self.chunk_size = first.num_samples, first.chunk_size
         self.num_chunks = first.num_chunks
@@ -245,6 +240,11 @@ class TokenStream(IterableDataset):
             self.median_norms = self._median_norms(opened)
 
     def _check_sources(self, first: Features) -> None:
+        if first.kind is Kind.IMAGES and self.rules.special:
+            raise ExcludeRuleError(
+                f"exclude rule 'special': {first.path} is an image store, which has no special tokens; "
+                "use 'first:K' to drop each image's CLS and register tokens"
+            )
         keys = [source.key for source in self.sources]
         if len(set(keys)) != len(keys):
             raise ValueError(f"layers: a layer is named twice ({keys})")
