@@ -142,3 +142,69 @@ def test_damaged_codes_chunk_named(store, tmp_path):
     (path / "latents" / LAYER / "indices" / "c" / "1" / "0").unlink()
     with pytest.raises(StoreDamagedError, match=r"indices.*chunk 1 .*is missing"):
         open_features(path).latents(LAYER, rows=slice(0, 100))
+
+
+def brute_force_top(indices: np.ndarray, values: np.ndarray, k: int) -> dict[int, list[tuple[int, float]]]:
+    """Every latent's k best (row, value) over the stored codes: value descending, then the lower row."""
+    best = {}
+    for latent in range(D_SAE):
+        rows, slots = np.nonzero(indices == latent)
+        v = values[rows, slots].astype(np.float32)
+        order = np.lexsort((rows, -v))[:k]
+        if len(order):
+            best[latent] = [(int(rows[i]), float(v[i])) for i in order]
+    return best
+
+
+def test_top_command_equals_brute_force(store, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from extract.cli.top import main as top_main
+
+    path, indices, values, _ = store
+    f = open_features(path)
+    out = tmp_path / "top"
+    assert top_main([str(path), "--layer", LAYER, "-k", "3", "--context", "4", "--out", str(out)]) == 0
+    assert str(out) in capsys.readouterr().out
+    table = pq.read_table(out / "top.parquet").to_pylist()
+    expected = brute_force_top(indices, values, 3)
+    got: dict[int, list[tuple[int, float]]] = {}
+    for record in sorted(table, key=lambda r: (r["latent"], r["rank"])):
+        got.setdefault(record["latent"], []).append((record["row"], record["activation"]))
+    assert got == expected
+    token_ids, offsets, keys = f.token_ids, f.offsets, f.keys
+    kept = np.zeros((f.num_samples, D_SAE), dtype=np.float32)
+    r, s = np.nonzero(indices >= 0)
+    kept[r, indices[r, s]] = values[r, s]
+    for record in table:  # each context: its document, position, tokens and the latent's activation on each
+        row = record["row"]
+        doc = int(np.searchsorted(offsets, row, side="right") - 1)
+        lo, hi = max(offsets[doc], row - 4), min(offsets[doc + 1], row + 5)
+        assert (record["key"], record["position"]) == (keys[doc], row - offsets[doc])
+        assert record["context_tokens"] == token_ids[lo:hi].tolist() and record["center"] == row - lo
+        assert record["context_activations"] == kept[lo:hi, record["latent"]].tolist()
+    dashboard = json.loads((out / "saedashboard.json").read_text())
+    assert {feature["feature_index"] for feature in dashboard["features"]} == set(expected)
+    delphi = json.loads((out / "delphi.json").read_text())
+    counts = (kept != 0).sum(0)
+    for latent, record in delphi["latents"].items():
+        assert record["per_token_frequency"] == pytest.approx(counts[int(latent)] / f.num_samples)
+    frequent = np.argsort(-counts, kind="stable")[:8]
+    page = (out / "top.html").read_text()
+    assert all(f"id='latent-{latent}'" in page for latent in frequent)
+
+    chosen = tmp_path / "chosen"
+    assert top_main([str(path), "--layer", LAYER, "--latents", "1,5,9", "-k", "2", "--out", str(chosen)]) == 0
+    picked = pq.read_table(chosen / "top.parquet").to_pylist()
+    assert {r["latent"] for r in picked} == {1, 5, 9} & set(expected)
+    assert all(r["row"] == expected[r["latent"]][r["rank"]][0] for r in picked)
+
+
+def test_top_bad_layer_one_line(store):
+    run = subprocess.run(
+        [sys.executable, "-m", "extract.top", str(store[0]), "--layer", "transformer.h.9"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and f"has codes of {LAYER}" in run.stderr, run.stderr
