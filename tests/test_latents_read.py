@@ -208,3 +208,35 @@ def test_top_bad_layer_one_line(store):
     )
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and f"has codes of {LAYER}" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_token_stream_over_codes(store, workers):
+    from torch.utils.data import DataLoader
+
+    from extract import TokenStream
+
+    path, indices, values, _ = store
+    f = open_features(path)
+    kept = np.zeros((f.num_samples, D_SAE), dtype=np.float32)
+    r, s = np.nonzero(indices >= 0)
+    kept[r, indices[r, s]] = values[r, s]
+    dense = f.load(LAYER)
+    stream = TokenStream(path, [f"latents/{LAYER}", LAYER], batch_size=50, window=3, seed=4, return_index=True)
+    loader = DataLoader(stream, batch_size=None, num_workers=workers) if workers else stream
+    seen = []
+    for batch, rows in loader:
+        codes = batch[f"latents/{LAYER}"]
+        assert codes.layout == torch.sparse_csr and codes.shape == (len(rows), D_SAE)
+        np.testing.assert_array_equal(codes.to_dense().numpy(), kept[rows.numpy()])
+        np.testing.assert_array_equal(batch[LAYER].numpy(), dense[rows.numpy()])
+        seen.append(rows.numpy())
+    seen = np.concatenate(seen)
+    assert len(seen) == f.num_samples and np.array_equal(np.sort(seen), np.arange(f.num_samples))
+    ranks = [
+        np.concatenate([rows.numpy() for _, rows in TokenStream(path, f"latents/{LAYER}", 64, rank=rank,
+                                                               world_size=2, exclude="special", return_index=True)])
+        for rank in range(2)
+    ]  # fmt: skip
+    both = np.concatenate(ranks)
+    assert len(both) == len(set(both.tolist())) and set(both.tolist()) == set(np.flatnonzero(~f.special).tolist())
