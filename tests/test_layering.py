@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "export": {"cli"},
     "probe": {"cli"},
     "report": {"cli"},
+    "top": {"cli"},
     "verify": {"cli"},
 }
 

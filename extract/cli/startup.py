@@ -42,6 +42,7 @@ COMMANDS = {
     "compare": ("compare", "linear CKA between the layers of one store or two"),
     "report": ("report", "an HTML report with figures about a store"),
     "export": ("export", "a packed token store's layer as SAELens's activation cache"),
+    "top": ("top", "each SAE latent's top activating tokens with their contexts (Parquet, JSON, HTML)"),
 }
 
 

@@ -81,6 +81,24 @@ class CheckedReads:
                 raise
             raise self.damaged(what, bad, f"fails its check ({first_line(e)})") from None
 
+    def chunk_rows(self, name: str, what: str) -> tuple[list[int], np.ndarray]:
+        """The rows of ``name``, an array of one row per chunk (``stats/...``), of every done chunk: (the done
+        chunks, their rows), unless one of them is missing or fails its check (or, in a complete store, a
+        chunk is not marked done): rows merged over fewer chunks would look whole."""
+        if self.complete and not self.done.all():
+            raise self.damaged(what, int(np.argmin(self.done)), NOT_DONE)
+        done = np.flatnonzero(self.done).tolist()
+        if lost := sorted(set(done) - self.store.integrity.stored_chunks(name, done)):  # one listing of this array
+            raise self.damaged(what, lost[0], "are missing")
+        rows = self.store.array(name)
+        try:
+            return done, rows.get_orthogonal_selection((np.asarray(done, dtype=np.int64), slice(None)))
+        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
+            bad = next((k for k in done if not decodes(rows, k, k + 1)), None)
+            if bad is None:
+                raise
+            raise self.damaged(what, bad, f"fail their check ({first_line(e)})") from None
+
     def whole(self, name: str, rows: slice = slice(None)) -> np.ndarray:
         """Rows ``rows`` of ``name``, an array written whole when the store was created (a text store's
         ``offsets``; a token store's ``labels``, ``valid`` and ``keys``), unless one of its objects fails its checksum or is missing: every object is

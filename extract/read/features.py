@@ -29,12 +29,12 @@ from ..names.layers import closest
 from ..names.pooling import make_pool
 from ..store import dtypes as storage
 from ..store.chunks import Plan
-from ..store.integrity import decodes
 from ..store.location import Location, locate
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore
-from .checked import NOT_DONE, CheckedReads, first_line
+from . import latents as sae_codes
+from .checked import CheckedReads
 from .text_view import TextView
 
 Index = slice | Sequence[int] | np.ndarray | None
@@ -266,6 +266,7 @@ class Features:
     complete: bool = field(init=False, repr=False, compare=False)
     kind: Kind = field(init=False, repr=False, compare=False)
     _reads: CheckedReads = field(init=False, repr=False, compare=False)
+    _codes: dict[str, Any] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         attrs = self.attrs
@@ -424,8 +425,20 @@ class Features:
             lambda: _load_into(array, rows, reduce, out, blocks, as_torch),
         )
 
+    def latents(self, layer: str, rows: slice = slice(None), *, as_torch: bool = False, dtype: str = "float32") -> Any:
+        """Layer ``layer``'s SAE codes of the rows ``rows`` picks (consecutive) as a (rows, d_sae) CSR matrix:
+        scipy's ``csr_array``, or ``torch.sparse_csr_tensor`` with ``as_torch=True``, values in ``dtype``
+        (every stored float16 exactly in float32). ``features.latent(layer, i)`` reads one latent dense;
+        ``features.stats("latents/" + layer)`` each latent's statistics (``extract.read.latents``)."""
+        return sae_codes.codes_of(self, layer).matrix(rows, as_torch, dtype)
+
+    def latent(self, layer: str, index: int) -> np.ndarray:
+        """(N,) float32: latent ``index`` of layer ``layer``'s SAE codes on every row, 0 where it is not
+        active; read chunk by chunk, never the whole code matrix."""
+        return sae_codes.codes_of(self, layer).latent(index)
+
     def stats(self, layer: str) -> dict[str, Any]:
-        """Statistics of ``layer`` over the valid rows of every done chunk, merged from the rows the writer
+        """Statistics of ``layer`` (``latents/<layer>``: of its SAE codes, ``LatentCodes.stats``) over the valid rows of every done chunk, merged from the rows the writer
         recorded with each chunk (no data read): ``count`` (rows counted; NaN rows of invalid samples and
         empty documents are not), ``mean`` and ``std`` (population) of each value, (F,) float64,
         ``mean_norm`` (mean L2 norm of a row), ``max_abs`` and ``scaling_factor`` = sqrt(F) / mean_norm,
@@ -433,6 +446,8 @@ class Features:
         layers) have statistics of their rows; layers kept whole in a known layout (a ViT block or a conv
         map under ``--pool none``), of their positions' channel vectors (F = C, every (image, patch) a
         row, as ``TokenStream`` streams them)."""
+        if layer.startswith(f"{sae_codes.LATENTS}/") and layer not in self.attrs["layers"]:
+            return sae_codes.codes_of(self, layer.partition("/")[2]).stats()
         array = self.array(layer)
         known = self.store.stats_layers()
         if known is None:
@@ -447,20 +462,8 @@ class Features:
                 "and for layers with a known layout only (or the store predates per-position statistics); "
                 "extract it with --pool or --layout to have them, or compute them from load()"
             )
-        name, reads, what = f"{STATS}/{layer}", self._reads, f"statistics of layer '{layer}'"
-        if self.complete and not reads.done.all():  # statistics merged over fewer chunks would look whole
-            raise reads.damaged(what, int(np.argmin(reads.done)), NOT_DONE)
-        done = np.flatnonzero(reads.done).tolist()
-        if lost := sorted(set(done) - self.store.integrity.stored_chunks(name, done)):  # one listing of this array
-            raise reads.damaged(what, lost[0], "are missing")
-        rows = self.store.array(name)
-        try:
-            recorded = rows.get_orthogonal_selection((np.asarray(done, dtype=np.int64), slice(None)))
-        except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
-            bad = next((k for k in done if not decodes(rows, k, k + 1)), None)
-            if bad is None:
-                raise
-            raise reads.damaged(what, bad, f"fail their check ({first_line(e)})") from None
+        _, recorded = self._reads.chunk_rows(f"{STATS}/{layer}", f"statistics of layer '{layer}'")
+        rows = self.store.array(f"{STATS}/{layer}")
         return merge_stats(recorded, rows.attrs["columns"], tuple(rows.attrs.get("shape") or self.shapes[layer]))
 
     def layout(self, layer: str) -> str | None:

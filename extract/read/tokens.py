@@ -24,6 +24,7 @@ from ..store.chunks import Plan
 from ..store.location import Location, check_not_forked, locate
 from .dataset import _rank_and_world_size
 from .features import Features, _read, open_features
+from .latents import LATENTS, codes_of, csr
 from .sources import Rows, check_aligned, layer_rows
 
 Key = str | tuple[int, str]  # a layer's name; with a list of stores, (the store's place in it, the layer)
@@ -91,6 +92,11 @@ class _Source:
     layer: str
     rows: Rows
     key: Key
+    d_sae: int | None = None  # SAE codes (``latents/<layer>``): their rows are (k indices, k float16 bits) int32
+
+    @property
+    def codes(self) -> bool:
+        return self.d_sae is not None
 
 
 @dataclass
@@ -103,14 +109,15 @@ class _Buffers:
     scratch: queue.SimpleQueue
 
     @classmethod
-    def make(cls, shapes: list[tuple[int, ...]], dtype: torch.dtype, threads: int) -> _Buffers:
+    def make(cls, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype], threads: int) -> _Buffers:
         scratch: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, threads)):
             scratch.put({})  # source -> its chunk, made at first use
-        return cls([[_alloc(shape, dtype) for shape in shapes] for _ in range(2)], scratch)
+        windows = [[_alloc(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)] for _ in range(2)]
+        return cls(windows, scratch)
 
-    def fits(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> bool:
-        return [tuple(t.shape) for t in self.windows[0]] == shapes and self.windows[0][0].dtype == dtype
+    def fits(self, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> bool:
+        return [(tuple(t.shape), t.dtype) for t in self.windows[0]] == list(zip(shapes, dtypes, strict=True))
 
 
 @dataclass
@@ -136,6 +143,13 @@ class TokenStream(IterableDataset):
     the store's place in the list; ``layers`` names the layers of every store, or is one list per
     store. ``stack=True`` gives one ``(batch, sources, D)`` tensor instead (sources in the order store
     by store, then layer by layer; their D must agree), for one store's layers too.
+
+    A layer's SAE codes (a store extracted with ``--sae LAYER=PATH``) stream as ``"latents/<layer>"``: its
+    batch is a (batch, d_sae) ``torch.sparse_csr_tensor`` of ``dtype`` (columns sorted within a row; the
+    stored k codes of each token, ``extract.read.latents``), the rows of the same tokens as the dense
+    layers beside it in a dict: what a probe or transcoder trained on codes takes (``crow_indices``,
+    ``col_indices`` and ``values`` give the (indices, values) pairs). ``high_norm`` is of dense rows only;
+    codes cannot be stacked.
 
     An image store's per-position layers stream as one row per (image, patch): a ViT block kept whole
     (``--pool none``: (T, D) per image, CLS and register tokens first), or a conv map (NCHW / NHWC as H x W
@@ -222,7 +236,7 @@ class TokenStream(IterableDataset):
         if several:
             check_aligned(opened)
         self.sources = [
-            _Source(i, layer, layer_rows(features, layer), (i, layer) if several else layer)
+            _source(features, i, layer, (i, layer) if several else layer)
             for i, (features, names) in enumerate(zip(opened, per_store, strict=True))
             for layer in names
         ]
@@ -253,6 +267,10 @@ class TokenStream(IterableDataset):
             raise ExtractError(
                 f"{first.path}: the layers have different numbers of patches per image ({positions}); "
                 "stream layers of one patch grid together"
+            )
+        if self.stack and any(source.codes for source in self.sources):
+            raise ExtractError(
+                "stack=True stacks dense layers; SAE codes (latents/...) stream as their own sparse batch"
             )
         widths = {source.key: source.rows.width for source in self.sources}
         if self.stack and len(set(widths.values())) > 1:
@@ -323,6 +341,8 @@ class TokenStream(IterableDataset):
             start, stop = self._bounds(chunk)
             keep = self._kept_by_position(opened[0], chunk)
             for found, source in zip(norms, self.sources, strict=True):
+                if source.codes:  # high_norm is a rule of dense rows: codes do not take part
+                    continue
                 features = opened[source.store]
                 into = np.empty((stop - start, *source.rows.shape), features.array(source.layer).dtype)
                 values = self._read_stored(features, source.layer, chunk, into)
@@ -331,6 +351,7 @@ class TokenStream(IterableDataset):
         medians = {
             source.key: float(np.median(np.concatenate(found)))
             for source, found in zip(self.sources, norms, strict=True)
+            if not source.codes
         }
         if any(not np.isfinite(m) for m in medians.values()):
             raise ExtractError(
@@ -344,6 +365,9 @@ class TokenStream(IterableDataset):
         if self.stack:
             return [(rows, len(self.sources), self.sources[0].rows.width)]
         return [(rows, source.rows.width) for source in self.sources]
+
+    def _dtypes(self) -> list[torch.dtype]:
+        return [self.dtype] if self.stack else [torch.int32 if s.codes else self.dtype for s in self.sources]
 
     def _targets(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each source's (rows, D) part of a window's buffers."""
@@ -363,8 +387,8 @@ class TokenStream(IterableDataset):
         rng = np.random.default_rng((self.seed, self.epoch, 1, self.rank, worker))
         shapes = self._shapes()
         spare = self._spare.pop() if self._spare else None  # another pass in this process takes none
-        allocated = spare if spare is not None and spare.fits(shapes, self.dtype) else None
-        allocated = allocated or _Buffers.make(shapes, self.dtype, self.threads)
+        allocated = spare if spare is not None and spare.fits(shapes, self._dtypes()) else None
+        allocated = allocated or _Buffers.make(shapes, self._dtypes(), self.threads)
         buffers, scratch = allocated.windows, allocated.scratch
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-stream") if self.threads else None
         try:
@@ -381,7 +405,11 @@ class TokenStream(IterableDataset):
         for features in opened:
             features._reads.lost  # noqa: B018
             for source in self.sources:
-                if opened[source.store] is features:
+                if opened[source.store] is not features:
+                    continue
+                if source.codes:
+                    codes_of(features, source.layer.partition("/")[2])
+                else:
                     features.array(source.layer)
         if self.images:
             opened[0].valid  # noqa: B018
@@ -433,6 +461,7 @@ class TokenStream(IterableDataset):
 
     def _item(self, values: list[torch.Tensor], rows: np.ndarray) -> Batch | tuple[Batch, torch.Tensor]:
         batch: Batch
+        values = [self._sparse(s, v) if s.codes else v for s, v in zip(self.sources, values, strict=True)]
         if self.stack or self.single:
             batch = values[0]
         else:
@@ -442,6 +471,15 @@ class TokenStream(IterableDataset):
         if self.positions == 1:
             return batch, torch.from_numpy(rows)
         return batch, torch.from_numpy(np.stack(np.divmod(rows, self.positions), axis=1))
+
+    def _sparse(self, source: _Source, rows: torch.Tensor) -> torch.Tensor:
+        """A codes source's (batch, 2k) int32 rows as a (batch, d_sae) ``torch.sparse_csr_tensor`` of ``dtype``."""
+        k = rows.shape[1] // 2
+        packed = rows.numpy()
+        values = packed[:, k:].astype(np.int16).view(np.float16)
+        return csr(
+            packed[:, :k], values, source.d_sae or 0, as_torch=True, dtype=str(self.dtype).removeprefix("torch.")
+        )
 
     def _submit(
         self,
@@ -472,6 +510,12 @@ class TokenStream(IterableDataset):
         keep = self._kept_by_position(opened[0], chunk)
         for index, source in enumerate(self.sources):
             features = opened[source.store]
+            if source.codes:
+                codes = codes_of(features, source.layer.partition("/")[2])
+                indices, values = codes.read(start, stop)
+                target = targets[index][at : at + samples].numpy()
+                target[:, : codes.k], target[:, codes.k :] = indices, values.view(np.int16)
+                continue
             array = features.array(source.layer)
             target = targets[index][at : at + samples * self.positions]
             direct = storage.numpy_view(target, array) if source.rows.contiguous else None
@@ -493,6 +537,14 @@ class TokenStream(IterableDataset):
             finally:
                 scratch.put(mine)
         return keep
+
+
+def _source(features: Features, store: int, layer: str, key: Key) -> _Source:
+    """``layer`` of ``features`` as a source: a layer's rows, or ``latents/<layer>``, its SAE codes."""
+    if layer.startswith(f"{LATENTS}/") and layer not in features.layers:
+        codes = codes_of(features, layer.partition("/")[2])
+        return _Source(store, layer, Rows((2 * codes.k,)), key, codes.d_sae)
+    return _Source(store, layer, layer_rows(features, layer), key)
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
