@@ -9,6 +9,7 @@ class DoneMarkers:
 
     def __init__(self) -> None:
         self.done: set[int] = set()
+        self.integrity = self  # the store asks its integrity which objects exist
 
     def stored_chunks(self, name: str, chunks: set[int]) -> set[int]:
         assert name == "done"
