@@ -65,7 +65,7 @@ def _jobs(corpus, folder):
     return {
         "topk": _job(corpus, folder / "topk.zarr", "topk", *RAGGED),
         # the layer given by its module, the SAE by its TransformerLens hook: the same tensor
-        "relu_packed": _job(corpus, folder / "relu.zarr", "relu", *PACKED, "--sae-k", "16", layer="transformer.h.1:0"),
+        "relu_packed": _job(corpus, folder / "relu.zarr", "relu", *PACKED, "--sae-k", "16", layer="transformer.h.1"),
         "only": _job(corpus, folder / "only.zarr", "topk", *RAGGED, "--sae-only"),
     }
 
@@ -139,7 +139,7 @@ def _check_codes(store, layer: str, sae_path, k: int, rows: np.ndarray | None = 
 @pytest.mark.parametrize("name, sae, k", [("topk", "topk", 8), ("relu_packed", "relu", 16)])
 def test_stored_codes_are_sae_lens_encode_of_the_stored_rows(corpus, one, name, sae, k):
     store = one / {"topk": "topk.zarr", "relu_packed": "relu.zarr"}[name]
-    layer = HOOK if name == "topk" else "transformer.h.1:0"
+    layer = HOOK if name == "topk" else "transformer.h.1"
     _check_codes(store, layer, corpus[2][sae], k)
     attrs = zarr.open_group(store, mode="r")[f"latents/{layer}"].attrs
     assert (attrs["d_sae"], attrs["k"], attrs["hook_name"]) == (D_SAE, k, HOOK)

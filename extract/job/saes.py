@@ -4,7 +4,7 @@ becomes part of the job's identity (its weights' sha256), so that a resume with 
 
 Which layer an SAE is for: ``LAYER`` names one of ``--layers`` by the name the store gives it, or by any
 other name of the same tensor (a TransformerLens hook name, ``blocks.1.hook_resid_post``, for the layer
-given as ``transformer.h.1:0``). The SAE's own ``hook_name`` must name that tensor too: its name or
+given as ``transformer.h.1``). The SAE's own ``hook_name`` must name that tensor too: its name or
 alias, or a TransformerLens hook name that resolves to it in this model."""
 
 from __future__ import annotations
@@ -79,7 +79,10 @@ def setup_saes(
     for entry in entries:
         name, _, path = entry.partition("=")
         ref = _layer(name, refs, aliases)
-        encoder = load_sae(path, k=None, device=str(device))
+        # loaded on the host (safetensors refuses torch's "cpu:0"), then put where the rows are
+        encoder = load_sae(path, k=None, device="cpu")
+        if device.type != "cpu":
+            encoder.to(device)
         if encoder.own_k is None:  # a top-k SAE keeps its own k
             encoder.k = k
         shape = layers.shapes[ref.name]
