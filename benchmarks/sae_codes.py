@@ -48,7 +48,7 @@ def _sae(directory: Path, d_in: int, d_sae: int) -> Path:
     sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=d_in, d_sae=d_sae, metadata=SAEMetadata(hook_name=HOOK)))
     with torch.no_grad():
         sae.W_enc.normal_(0, d_in**-0.5)
-        sae.b_enc.fill_(-0.5)  # a few hundred active latents a row, as a trained ReLU SAE's
+        sae.b_enc.zero_()  # about half the latents active on a row: more than a trained SAE, so top-k always cuts
     sae.save_model(directory)
     return directory
 
