@@ -194,7 +194,8 @@ def test_width_and_hook_mismatches_are_one_line_naming_both(saved):
     with pytest.raises(SaeMismatchError) as error:
         encoder.check(LayerRef("transformer.h.2", 0), D_IN, alias_of=aliases.get)
     message = str(error.value)
-    assert f"hook '{HOOK}' (in this model that is '{HOOK}')" in message and "'transformer.h.2:0'" in message
+    # the hook is named with the tensor it resolves to in this model: which layer to give the SAE for
+    assert f"hook '{HOOK}' (in this model that is 'transformer.h.1:0')" in message and "'transformer.h.2:0'" in message
 
     with pytest.raises(SaeMismatchError, match=f"hook '{HOOK}', not on layer 'transformer.h.1'"):
         encoder.check("transformer.h.1", D_IN)  # no resolver: only the hook's own name matches

@@ -224,7 +224,8 @@ def _names(layer: str | LayerRef) -> set[str]:
 
 
 def _name(target: LayerRef | str) -> str:
-    return target.name if isinstance(target, LayerRef) else target
+    """The tensor an alias resolves to (``transformer.h.2:0``), which the hook name alone does not say."""
+    return target.target if isinstance(target, LayerRef) else target
 
 
 def _same(target: LayerRef | str, layer: str | LayerRef) -> bool:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..names.latents import indices_path, values_path
 from . import cast
+
+if TYPE_CHECKING:
+    from .sae import LatentStats, SaeEncoder
 
 
 class Slot:
@@ -23,6 +28,8 @@ class Slot:
     def __init__(self, buffers: dict[str, torch.Tensor], peaks: dict[str, torch.Tensor]) -> None:
         self.buffers = buffers
         self.peaks = peaks
+        # --sae: per layer, the statistics (on the device) of the batch's rows of each chunk
+        self.latent_stats: dict[str, dict[int, LatentStats]] = {}
         self.checked: set[str] = set()
         self.events: dict[torch.device, torch.cuda.Event] = {}  # reused batch after batch
         self.sources: set[torch.device] = set()  # the devices this batch copied from
@@ -40,6 +47,12 @@ class HostStaging:
     A cast that can overflow (float32 or bfloat16 to float16) is checked without a synchronization: the
     batch's largest finite |x| is computed on its stream and copied with it, and ``ready`` (the writer's wait,
     before it reads the slot) raises ``CastOverflowError`` where the cast made an inf (``cast.py``).
+
+    ``encoders`` (``--sae``): a layer with one is encoded on its device before any copy (``sae.py``); its
+    codes are staged as buffers ``latents/<layer>/indices`` and ``values``, and the statistics of the rows
+    of each chunk of the batch (``segments``, (chunk, first, end) runs the loop sets before each forward)
+    are kept on the device in the slot's ``latent_stats``. A layer in ``encoders`` but not in ``shapes``
+    (``--sae-only``) has no raw buffer: only its codes leave the device.
     """
 
     def __init__(
@@ -49,7 +62,10 @@ class HostStaging:
         dtype: torch.dtype,
         device: torch.device,
         slots: int = 4,
+        encoders: Mapping[str, SaeEncoder] | None = None,
     ) -> None:
+        self.encoders = dict(encoders or {})
+        self.segments: list[tuple[int, int, int]] = []
         self.dtype = dtype
         self.device = device
         self.cuda = device.type == "cuda"
@@ -62,6 +78,9 @@ class HostStaging:
                 name: torch.empty((batch_size, *shape), dtype=dtype, pin_memory=self.cuda)
                 for name, shape in shapes.items()
             }
+            for layer, encoder in self.encoders.items():
+                for path, code_dtype in ((indices_path(layer), torch.int32), (values_path(layer), torch.float16)):
+                    buffers[path] = torch.empty((batch_size, encoder.k), dtype=code_dtype, pin_memory=self.cuda)
             peaks = {name: torch.zeros((), dtype=torch.float32, pin_memory=self.cuda) for name in shapes}
             self._free.put(Slot(buffers, peaks))
 
@@ -74,6 +93,7 @@ class HostStaging:
                 self.current = self._free.get(timeout=0.1)
                 self.current.sources.clear()
                 self.current.checked.clear()
+                self.current.latent_stats.clear()
                 return self.current
             except queue.Empty:
                 continue
@@ -82,9 +102,13 @@ class HostStaging:
         self._free.put(slot)
 
     def stage(self, name: str, value: torch.Tensor) -> None:
-        """Copy one layer's batch into the current slot; the capture hook's sink."""
+        """Copy one layer's batch into the current slot (and its codes, with an SAE); the capture hook's sink."""
         slot = self.current
         assert slot is not None, "acquire() a slot before the forward"
+        if name in self.encoders:
+            self._encode(slot, name, value)
+            if name not in slot.buffers:  # --sae-only
+                return
         target = slot.buffers[name][: value.shape[0]]
         peak = cast.finite_peak(value) if value.numel() and cast.narrows(value.dtype, self.dtype) else None
         if peak is not None:
@@ -107,6 +131,37 @@ class HostStaging:
         fresh.record_stream(stream)
         if peak is not None:
             peak.record_stream(stream)
+        slot.sources.add(source)
+
+    def _encode(self, slot: Slot, name: str, value: torch.Tensor) -> None:
+        """The layer's codes, each chunk's rows of the batch with their own statistics (a batch may straddle
+        chunks), then copied to the slot as the raw rows are."""
+        encoder = self.encoders[name]
+        rows = value.to(getattr(torch, encoder.dtype))
+        indices = torch.empty((len(rows), encoder.k), dtype=torch.int32, device=rows.device)
+        values = torch.empty((len(rows), encoder.k), dtype=torch.float16, device=rows.device)
+        stats = slot.latent_stats.setdefault(name, {})
+        for chunk, first, end in self.segments:
+            stats[chunk] = encoder.new_stats(rows.device)
+            codes = encoder.encode(rows[first:end], stats[chunk])
+            indices[first:end], values[first:end] = codes.indices, codes.values
+        self._copy(slot, indices_path(name), indices)
+        self._copy(slot, values_path(name), values)
+
+    def _copy(self, slot: Slot, path: str, value: torch.Tensor) -> None:
+        """A fresh device tensor (nothing in the forward touches it) into buffer ``path``."""
+        target = slot.buffers[path][: value.shape[0]]
+        if value.device.type != "cuda":
+            target.copy_(value)
+            return
+        source = value.device
+        stream = self.copy_streams.get(source)
+        if stream is None:
+            stream = self.copy_streams[source] = torch.cuda.Stream(source)
+        stream.wait_stream(torch.cuda.current_stream(source))
+        with torch.cuda.stream(stream):
+            target.copy_(value, non_blocking=True)
+        value.record_stream(stream)
         slot.sources.add(source)
 
     def seal(self, slot: Slot) -> None:

@@ -91,7 +91,7 @@ def _from_config(path: str) -> dict[str, Any]:
         if name not in known:
             raise ExtractError(f"--config {path}: unknown key '{key}'; known keys: {', '.join(sorted(known))}")
         options[name] = value
-    for name in ("layers", "layout"):
+    for name in ("layers", "layout", "sae"):
         if isinstance(options.get(name), str):
             options[name] = [options[name]]
     check_types(options, f"--config {path}: key")

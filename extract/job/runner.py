@@ -52,6 +52,7 @@ from .launcher import watch_launcher
 from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, assign, default_chunk_size
 from .progress import JobProgress
+from .saes import JobSaes, setup_saes
 from .spec import JobSpec
 from .text_stage import TextJob, prepare_text, text_loop
 
@@ -152,6 +153,7 @@ class _Model:
     precision: str
     autocast: Any
     memory_format: torch.memory_format
+    saes: JobSaes | None = None  # --sae: the SAE of each layer given one
 
 
 @dataclass
@@ -181,7 +183,9 @@ class _Job:
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.model.layers.shapes
+        """The layers stored raw (``features/<layer>``): every layer, but those --sae-only keeps as codes."""
+        shapes, saes = self.model.layers.shapes, self.model.saes
+        return shapes if saes is None else saes.stored(shapes)
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -189,7 +193,8 @@ class _Job:
 
     @property
     def sample_bytes(self) -> int:
-        return sum(math.prod(shape) for shape in self.shapes.values()) * getattr(torch, self.spec.dtype).itemsize
+        raw = sum(math.prod(shape) for shape in self.shapes.values()) * getattr(torch, self.spec.dtype).itemsize
+        return raw + (self.model.saes.row_bytes() if self.model.saes is not None else 0)
 
 
 def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
@@ -205,6 +210,7 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     # that, not as whatever the example forward of a layer chosen for the other kind returns
     _attach_model(spec, state, data, loaded)
     model = _set_up_layers(spec, state.device, loaded, refs, precision)
+    model.saes = setup_saes(spec.sae, spec.sae_k, spec.sae_only, refs, model.layers, loaded.aliases, state.device)
     text = None
     if isinstance(data.dataset, TextSource):
         assert isinstance(model.layers, TextLayerSetup)
@@ -352,12 +358,13 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
         checkpoint_sha256=loaded.checkpoint_sha256,
         source=loaded.source, preprocess=repr(loaded.preprocess), preprocessing=model.preprocessing,
         layers=[ref.name for ref in model.refs], resolved_layers={ref.name: ref.target for ref in model.refs},
-        shapes=layers.shapes, pools=layers.pools,
+        shapes=layers.shapes if model.saes is None else model.saes.stored(layers.shapes), pools=layers.pools,
         layouts=layers.stored_layouts(), data_listing_sha256=data.dataset.listing_sha256(),
         model_pooling=layers.model_pooling.record() if isinstance(layers, TextLayerSetup) and layers.model_pooling else None,
         classes=data.dataset.classes, num_samples=plan.num_samples, chunk_size=plan.chunk_size,
         precision=model.precision, versions=library_versions(loaded.source),
         image_root=None if data.dataset.image_root is None else str(data.dataset.image_root),
+        saes=None if model.saes is None else model.saes.identity(),
     )  # fmt: skip
 
 
@@ -411,6 +418,7 @@ def _create(job: _Job, out: Location, writer: str) -> FeatureStore:
         dtype=spec.dtype, compressor=spec.compressor, overwrite=spec.overwrite, attrs={**job.attrs, "writer": writer},
         layouts=job.model.layers.stored_layouts(), keys=_keys(job.data.dataset),
         indexes={} if text is not None else saved_indexes(job.data.dataset), kind=kind, text=arrays,
+        latents=None if job.model.saes is None else job.model.saes.records(),
     )  # fmt: skip
 
 

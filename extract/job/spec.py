@@ -104,6 +104,16 @@ def _seed(flag: str, value: int) -> None:
         raise ExtractError(f"{flag} must be between -2**63 and 2**64 - 1 (torch's range), got {value}")
 
 
+def _sae(flag: str, value: list[str]) -> None:
+    for entry in value:
+        layer, _, path = entry.partition("=")
+        if not layer or not path:
+            raise ExtractError(f"{flag} {entry}: give LAYER=PATH (the layer, then the SAE's directory)")
+    layers = [entry.partition("=")[0] for entry in value]
+    if len(set(layers)) != len(layers):
+        raise ExtractError(f"{flag} gives layer {max(layers, key=layers.count)} twice; give one SAE per layer")
+
+
 def _compressor(flag: str, value: str) -> None:
     codecs(value)  # an unknown one is refused by name
 
@@ -263,6 +273,38 @@ class JobSpec:
             help=_layout_help,
             reference="the layout (`NCHW`, `NHWC`, `NLC`, `NCL`) of a layer whose layout cannot be told (see "
             "[Layouts](#layouts)); only pooling needs it",
+        ),
+    )
+    sae: list[str] | None = field(
+        default=None,
+        metadata=option(
+            metavar="LAYER=PATH",
+            check=_sae,
+            help="text, per token: encode LAYER's rows with the SAE saved by SAELens in directory PATH, on the "
+            "device, and store its top-k codes sparse (latents/LAYER); one LAYER=PATH per SAE",
+            reference="encode a layer's token rows with a pretrained sparse autoencoder (a directory saved by "
+            "SAELens, loaded by `sae_lens`: `pip install 'extract[sae]'`) on the device, inside the capture, and "
+            "store each token's `--sae-k` largest codes sparse (`latents/LAYER/indices` and `values`) with "
+            "per-chunk latent statistics (`stats/latents/LAYER`; see the store format and docs/sae-latents.md). "
+            "LAYER is one of `--layers`, by the name it is given there or another name of the same tensor (a "
+            "TransformerLens hook name such as `blocks.1.hook_resid_post`); the SAE's `d_in` must be the layer's "
+            "width and its `hook_name` must name the same tensor. Token stores only (per token or `--pack`)",
+        ),
+    )
+    sae_k: int = field(
+        default=64,
+        metadata=option(
+            metavar="K",
+            check=_positive,
+            help="--sae: codes kept per token (default 64; a top-k SAE keeps its own k)",
+        ),
+    )
+    sae_only: bool = field(
+        default=False,
+        metadata=option(
+            help="--sae: store only the codes of the SAE layers, not their raw rows",
+            reference="with `--sae`: the layers given an SAE keep only their codes (no `features/LAYER`); the other "
+            "layers are stored as usual",
         ),
     )
     dtype: str = field(
@@ -459,6 +501,8 @@ class JobSpec:
             value = getattr(self, f.name)
             if declared.check is not None and value is not None:
                 declared.check(flag_of(f), value)
+        if self.sae_only and not self.sae:
+            raise ExtractError("--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH")
         if self.pack is not None and self.context_length is not None and self.pack != self.context_length:
             raise ExtractError(
                 f"--pack {self.pack} makes contexts of {self.pack} tokens, but --context-length is "

@@ -20,6 +20,7 @@ from ..data.tokenize import Corpus, TokenRows, survey
 from ..errors import ExtractError
 from ..models.hf_text import input_device
 from ..names import Kind, PackInfo
+from ..store.chunks import chunk_segments
 from ..store.store import FeatureStore
 from ..store.text_arrays import TextArrays
 from ..store.writer import ChunkWriter
@@ -224,9 +225,12 @@ def text_loop(
         tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
     )  # fmt: skip
     most = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
-    staging = HostStaging(job.shapes, most, getattr(torch, spec.dtype), device)
+    saes = job.model.saes
+    encoders = {} if saes is None else saes.encoders
+    staging = HostStaging(job.shapes, most, getattr(torch, spec.dtype), device, encoders=encoders)
     threads = spec.writer_threads or default_writer_threads(device)
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
+    codes = None if saes is None else saes.codes()
+    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads, codes=codes)
     stop.defer()
     try:
         with (
@@ -249,6 +253,8 @@ def text_loop(
                     continue
                 _select(layers, batch, device)
                 slot = staging.acquire(writer.check)
+                if encoders:  # each chunk's rows of the batch get statistics of their own
+                    staging.segments = list(chunk_segments(np.asarray(batch.rows, np.int64), job.plan.chunk_size))
                 inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
                 job.model.loaded.call(cap.forward, inputs)
                 staging.seal(slot)

@@ -15,6 +15,7 @@ from ..errors import StoreDamagedError
 from ..names import Kind
 from ..names.layout import Layout
 from . import objects
+from .latents import row_arrays as latent_arrays
 from .schema import STRINGS
 
 METADATA = "zarr.json"
@@ -44,13 +45,16 @@ def dimension_names(layer: str, ndim: int, layout: str | None = None, row: str =
     return (row, *(f"{layer}.{n}" for n in names))
 
 
-def row_arrays(kind: Kind, layers: Iterable[str], keys: bool = True, packed: bool = False) -> list[str]:
+def row_arrays(
+    kind: Kind, layers: Iterable[str], keys: bool = True, packed: bool = False, latents: Iterable[str] = ()
+) -> list[str]:
     """The arrays with one row per stored row (chunked like the features, written per chunk), in the
     order of the ``digests`` columns: a token store's rows are tokens, its labels are per document
-    (``packed``: per context, and each token has its source document and position)."""
+    (``packed``: per context, and each token has its source document and position), and ``latents``'
+    SAE codes (``latents.py``) follow."""
     features = [f"features/{layer}" for layer in layers]
     if kind is Kind.TOKENS:
-        return [*features, *TOKEN_ARRAYS, *(PACKED_ARRAYS if packed else ())]
+        return [*features, *TOKEN_ARRAYS, *(PACKED_ARRAYS if packed else ()), *latent_arrays(latents)]
     return [*features, "labels", "valid", *(["keys"] if keys else [])]
 
 

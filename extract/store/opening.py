@@ -17,9 +17,10 @@ import zarr
 
 from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreNotFoundError
 from ..names import Kind
-from . import objects, remote
+from . import latents, objects, remote
 from .arrays import DIGESTS, METADATA, PACKED_ARRAYS, TEXT_ARRAYS, TOKEN_ARRAYS, row_arrays
 from .fence import ROOT_METADATA, FencedStore
+from .latents import row_arrays as latent_arrays
 from .location import Location, open_store
 from .paths import check_version, damaged_root, decoded_attrs, move_into_place, store_attrs
 from .skeleton import Skeleton
@@ -146,8 +147,10 @@ def validate(store: FeatureStore, attrs: dict[str, Any]) -> None:
     packed = attrs.get("pack") is not None
     if packed:
         expected.update(dict.fromkeys(PACKED_ARRAYS))
+    codes = latent_arrays(latents.layers_of(attrs))
+    expected.update(dict.fromkeys(codes))
     optional = [name for name in ("keys", DIGESTS) if store.has(name)]  # read back, so checked too
-    rows_of = set(row_arrays(kind, attrs.get("layers", []), packed=packed))
+    rows_of = set(row_arrays(kind, attrs.get("layers", []), packed=packed, latents=latents.layers_of(attrs)))
     per_chunk = {"done", DIGESTS}
     for name in [*expected, "done", *optional]:
         _check_rows(store, name, per_chunk, rows_of, n, c)

@@ -95,6 +95,7 @@ class JobParts:
     # text jobs: kind (tokens | documents), tokenization (tokenizer, context length, data), num_documents, num_tokens
     text: Mapping[str, Any] | None = None
     model_pooling: Mapping[str, Any] | None = None  # --pool model: the pooling the model's files named, as applied
+    saes: Mapping[str, Any] | None = None  # --sae: each layer's SAE (weights' sha256, k) and --sae-only
 
     def identity(self) -> dict[str, Any]:
         """Everything that decides the stored values and their layout: a store is resumed only by a job
@@ -127,6 +128,8 @@ class JobParts:
             identity["tokenization"] = dict(self.text["tokenization"])
         if self.model_pooling is not None:  # the files behind --pool model decide the values too
             identity["model_pooling"] = dict(self.model_pooling)
+        if self.saes is not None:  # the SAE decides the codes: a resume with another is refused
+            identity["sae"] = dict(self.saes)
         return identity
 
     def attributes(self) -> dict[str, Any]:

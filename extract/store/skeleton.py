@@ -15,7 +15,7 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from ..names import Kind
-from . import dtypes, stats
+from . import dtypes, latents, stats
 from .arrays import (
     DIGESTS,
     DOCUMENT_DIGESTS,
@@ -47,6 +47,7 @@ class Skeleton:
     indexes: dict[str, bytes]
     kind: Kind = Kind.IMAGES
     text: TextArrays | None = None
+    latents: dict[str, dict[str, Any]] | None = None  # --sae: each layer's SAE as its group records it (``latents.py``)
 
     def build(self, path: Path | zarr.abc.store.Store, attrs: dict[str, Any]) -> None:
         group = zarr.open_group(
@@ -60,6 +61,7 @@ class Skeleton:
                 "chunk_size": self.chunk_size,
                 "layers": list(self.shapes),
                 "kind": self.kind,
+                **({latents.ATTRIBUTE: self.latents} if self.latents else {}),
                 **attrs,
             },
         )
@@ -74,8 +76,10 @@ class Skeleton:
             fill_value=False, compressors=[Crc32cCodec()], dimension_names=("chunk",),
         )  # fmt: skip
         packed = self.text is not None and self.text.packed
-        columns = row_arrays(self.kind, self.shapes, keys=self.keys is not None, packed=packed)
+        codes = dict(self.latents or {})
+        columns = row_arrays(self.kind, self.shapes, keys=self.keys is not None, packed=packed, latents=codes)
         columns += self._stats(group, num_chunks)
+        columns += latents.create(group, codes, self.num_samples, self.chunk_size)
         group.create_array(
             DIGESTS, shape=(num_chunks, len(columns)), chunks=(1, len(columns)), dtype="uint32", fill_value=0,
             compressors=[Crc32cCodec()], dimension_names=("chunk", "array"), attributes={"arrays": columns},

@@ -19,7 +19,7 @@ import numpy as np
 import zarr
 
 from ..names import Kind
-from . import dtypes, objects, opening, stats
+from . import dtypes, latents, objects, opening, stats
 from .arrays import DIGESTS, METADATA, members, row_arrays, undecodable
 from .chunks import Plan
 from .fence import ROOT_METADATA, lost_lock, writer_of
@@ -62,15 +62,17 @@ class FeatureStore:
         indexes: Mapping[str, bytes] | None = None,
         kind: Kind = Kind.IMAGES,
         text: TextArrays | None = None,
+        latents: Mapping[str, dict[str, Any]] | None = None,
     ) -> FeatureStore:
         """Build the store beside ``path`` and rename it into place: a kill or a full disk at any instant
         leaves either no store or the whole skeleton. ``overwrite`` first moves the old store aside
-        (one rename), then deletes it: an interrupted overwrite leaves the old store or nothing. On
+        (one rename), then deletes it: an interrupted overwrite leaves the old store or nothing.
+        ``latents``: each ``--sae`` layer's SAE as ``latents/<layer>`` records it (``latents.py``). On
         object storage the skeleton's root metadata are written last (``opening.py``).
         ``indexes`` are saved listings (name -> bytes) kept in the skeleton for a resume (the shard index)."""
         skeleton = Skeleton(
             dict(shapes), num_samples, chunk_size, dtype, compressor, dict(layouts or {}), keys, dict(indexes or {}),
-            Kind(kind), text,
+            Kind(kind), text, dict(latents) if latents else None,
         )  # fmt: skip
         location = locate(path)
         opening.create(location, skeleton, attrs, overwrite)
@@ -140,7 +142,8 @@ class FeatureStore:
         """Every per-sample array (features, labels, valid and any other with N rows), by path."""
         attrs = self.attrs
         n, kind = attrs["num_samples"], Kind.of(attrs)
-        rows = set(row_arrays(kind, attrs.get("layers", []), packed=attrs.get("pack") is not None))
+        packed, codes = attrs.get("pack") is not None, latents.layers_of(attrs)
+        rows = set(row_arrays(kind, attrs.get("layers", []), packed=packed, latents=codes))
         for name, member in members(self.group, self.path):
             if kind.text:
                 if name in rows:
@@ -151,8 +154,11 @@ class FeatureStore:
                     yield name, self.array(name)
 
     def chunk_arrays(self) -> list[tuple[str, zarr.Array]]:
-        """The arrays written per chunk with one row per chunk (``stats/<layer>``), by path."""
-        return [(f"{STATS}/{layer}", self.array(f"{STATS}/{layer}")) for layer in self.stats_layers() or []]
+        """The arrays written per chunk with one row per chunk (``stats/<layer>``, ``stats/latents/<layer>``),
+        by path."""
+        paths = [f"{STATS}/{layer}" for layer in self.stats_layers() or []]
+        paths += [latents.stats_path(layer) for layer in latents.layers_of(self.attrs)]
+        return [(path, self.array(path)) for path in paths]
 
     def stats_layers(self) -> list[str] | None:
         """The layers that have ``stats/<layer>`` (as the ``stats`` group lists them; in a store from before
@@ -196,11 +202,12 @@ class FeatureStore:
         labels: np.ndarray | None,
         valid: np.ndarray | None,
         columns: Mapping[str, np.ndarray] | None = None,
+        codes: Mapping[str, latents.ChunkCodes] | None = None,
     ) -> None:
         """Write one whole chunk of every array and its layers' statistics (``stats.py``), record its
         objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no
         labels or valid: theirs were written at creation; a token store passes its token rows'
-        ``columns`` (``token_ids``, ``special``...)."""
+        ``columns`` (``token_ids``, ``special``...) and its ``--sae`` layers' ``codes`` (``latents.py``)."""
         for name, values in (columns or {}).items():
             self.array(name)[start:stop] = values
         for layer, values in features.items():
@@ -213,6 +220,8 @@ class FeatureStore:
             self.array("labels")[start:stop] = labels
         if valid is not None:
             self.array("valid")[start:stop] = valid
+        if codes:
+            latents.write_chunk(self, chunk, start, stop, codes)
         if (rows := self.integrity.digests_array()) is not None:
             digests = self.integrity.object_digests([chunk], rows.attrs["arrays"])[chunk]
             rows[chunk] = np.array([0 if d is None else d for d in digests], dtype=np.uint32)

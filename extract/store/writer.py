@@ -14,17 +14,19 @@ import torch
 
 from ..errors import CastOverflowError, LockLostError, WriterError
 from ..names import Kind
-from . import dtypes
+from . import dtypes, latents
 from .chunks import Plan, chunk_segments
 from .location import described, from_object_storage
 from .store import FeatureStore
 
 
 class Slot(Protocol):
-    """One staged batch: a host buffer per layer (``extract.capture.staging.Slot`` is one). The writer
-    names only what it reads, so that the store imports nothing of capture."""
+    """One staged batch: a host buffer per layer (``extract.capture.staging.Slot`` is one) and, with
+    ``--sae``, the statistics of its rows of each chunk per layer (objects with a ``numpy()``:
+    ``LatentStats``). The writer names only what it reads, so that the store imports nothing of capture."""
 
     buffers: dict[str, torch.Tensor]
+    latent_stats: dict[str, dict[int, Any]]
 
 
 class Staging(Protocol):
@@ -46,11 +48,24 @@ def _described(error: BaseException) -> str:
 
 
 class _OpenChunk:
-    def __init__(self, plan: Plan, chunk: int, shapes: Mapping[str, tuple[int, ...]], dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        chunk: int,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtype: np.dtype,
+        codes: Mapping[str, tuple[int, int]],
+    ) -> None:
         self.chunk = chunk
         self.start, self.stop = plan.bounds(chunk)
         rows = self.stop - self.start
         self.features = {name: np.empty((rows, *shape), dtype=dtype) for name, shape in shapes.items()}
+        self.codes = {
+            layer: latents.ChunkCodes(
+                np.full((rows, k), -1, np.int32), np.zeros((rows, k), np.float16), latents.empty_stats(d_sae)
+            )
+            for layer, (k, d_sae) in codes.items()
+        }
         self.labels = np.full(rows, -1, dtype=np.int64)
         self.valid = np.zeros(rows, dtype=bool)
         self.filled = 0
@@ -75,6 +90,10 @@ class ChunkWriter:
     ``infinite`` (the model's own: a cast that would make one stops the job in ``staging.ready``,
     ``CastOverflowError``). ``write_chunk`` also records each chunk's statistics row of every 1-D layer
     and every layer kept whole in a known layout (per position, ``stats.py``), on the same threads.
+
+    ``codes`` (layer -> (k, d_sae)) are the ``--sae`` layers: a slot also holds their codes (buffers
+    ``latents/<layer>/indices`` and ``values``) and, in ``latent_stats[layer][chunk]``, the statistics of
+    the batch's rows of each chunk, which are merged into the chunk's (``latents.py``).
     """
 
     def __init__(
@@ -84,8 +103,10 @@ class ChunkWriter:
         plan: Plan,
         shapes: Mapping[str, tuple[int, ...]],
         threads: int = 1,
+        codes: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self.store, self.staging, self.plan = store, staging, plan
+        self.codes = dict(codes or {})
         self.rows_only = store.kind.text  # text stores: labels and valid were written at creation
         self.needs_columns = store.kind is Kind.TOKENS  # a token chunk is written with its token rows
         self.shapes = dict(shapes)
@@ -195,6 +216,8 @@ class ChunkWriter:
                     at = indices[first:end] - open_chunk.start
                 for name, values in open_chunk.features.items():
                     values[at] = dtypes.host_values(slot.buffers[name][first:end]) if slot is not None else nan
+                if slot is not None:
+                    self._codes(open_chunk, slot, at, first, end)
                 open_chunk.labels[at] = labels[first:end]
                 open_chunk.valid[at] = valid[first:end]
                 open_chunk.filled += rows
@@ -203,9 +226,17 @@ class ChunkWriter:
             if slot is not None:
                 self.staging.release(slot)
 
+    def _codes(self, open_chunk: _OpenChunk, slot: Slot, at: slice | np.ndarray, first: int, end: int) -> None:
+        """The batch's rows first:end of every ``--sae`` layer's codes (rows without features keep the
+        padding: no latent), and the statistics of those rows, into the chunk."""
+        for layer, part in open_chunk.codes.items():
+            part.indices[at] = slot.buffers[latents.indices_path(layer)][first:end].numpy()
+            part.values[at] = slot.buffers[latents.values_path(layer)][first:end].numpy()
+            part.stats = latents.merge(part.stats, slot.latent_stats[layer][open_chunk.chunk].numpy())
+
     def _opened(self, chunk: int) -> _OpenChunk:
         if chunk not in self._open:
-            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype)
+            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype, self.codes)
         return self._open[chunk]
 
     def _columns(self, chunk: int, columns: dict[str, np.ndarray]) -> None:
@@ -235,6 +266,7 @@ class ChunkWriter:
                 None if self.rows_only else chunk.labels,
                 None if self.rows_only else chunk.valid,
                 chunk.columns,
+                chunk.codes,
             )  # fmt: skip
         )
 

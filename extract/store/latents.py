@@ -1,0 +1,126 @@
+"""A token store's sparse SAE codes (``--sae LAYER=PATH``, issue 32; layout in docs/store-format.md).
+
+    latents/<layer>/indices    (N, k) int32, chunks (C, k), fill -1: each row's k largest active latents
+    latents/<layer>/values     (N, k) float16, chunks (C, k), fill 0: their codes (0 where the index is -1)
+    stats/latents/<layer>      (K, 3 + 3 * d_sae) float64, one row per chunk (one object each)
+
+The group ``latents/<layer>`` says what made them (attrs ``d_sae``, ``k``, ``hook_name``,
+``architecture``, ``sae_path``, ``sae_sha256``); the root attribute ``latents`` lists the layers. The
+codes are row arrays and the statistics chunk arrays of the store: written with each chunk before its
+``done``, under its ``digests``, checked by ``verify`` and redone by ``--repair`` as every other array.
+
+A statistics row holds the chunk's ``rows``, ``rows_over_k`` (rows with more than k active latents: some
+were dropped), ``dropped_mass`` (the sum of the codes the top-k did not keep), then per latent ``count``
+(rows where it is active), ``sum`` and ``max`` of its codes (zeros included) over the chunk's rows,
+computed in float64 on the device from the dense codes before the top-k. The array's ``columns``
+attribute says where each lies, as [start, stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zarr
+
+from ..names.latents import LATENTS, indices_path, stats_path, values_path
+from .schema import checked, codecs
+from .stats import STATS
+
+if TYPE_CHECKING:
+    from .store import FeatureStore
+
+ATTRIBUTE = "latents"  # the root attribute: {layer: the group's attrs}
+HEAD = ("rows", "rows_over_k", "dropped_mass")  # then count, sum, max: (d_sae,) each
+PER_LATENT = ("count", "sum", "max")
+# the group's attrs, which a job records for each SAE
+DESCRIPTION = ("d_sae", "k", "hook_name", "architecture", "sae_path", "sae_sha256")
+
+
+def row_arrays(layers: Iterable[str]) -> list[str]:
+    """The codes' arrays, one row per token, in the order of the ``digests`` columns."""
+    return [path for layer in layers for path in (indices_path(layer), values_path(layer))]
+
+
+def layers_of(attrs: Mapping[str, Any]) -> list[str]:
+    """The layers a store keeps codes of (none before ``--sae``)."""
+    return list(attrs.get(ATTRIBUTE) or {})
+
+
+def columns(d_sae: int) -> dict[str, list[int]]:
+    """Where each statistic lies in a row, as [start, stop): recorded as the array's ``columns``."""
+    layout = {name: [i, i + 1] for i, name in enumerate(HEAD)}
+    for i, name in enumerate(PER_LATENT):
+        start = len(HEAD) + i * d_sae
+        layout[name] = [start, start + d_sae]
+    return layout
+
+
+def stats_row(stats: Mapping[str, np.ndarray], d_sae: int) -> np.ndarray:
+    """A chunk's statistics (``LatentStats.numpy()``, merged over its rows) as its row."""
+    row = np.empty(len(HEAD) + len(PER_LATENT) * d_sae, dtype=np.float64)
+    for name, (start, stop) in columns(d_sae).items():
+        row[start:stop] = stats[name]
+    return row
+
+
+def merge(into: dict[str, np.ndarray] | None, part: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Two parts of a chunk's rows' statistics together (maxima by max, the rest summed)."""
+    if into is None:
+        return {name: np.array(value, dtype=np.float64, copy=True) for name, value in part.items()}
+    for name, value in part.items():
+        into[name] = np.maximum(into[name], value) if name == "max" else into[name] + value
+    return into
+
+
+def empty_stats(d_sae: int) -> dict[str, np.ndarray]:
+    """The statistics of no rows (``LatentStats.zeros``)."""
+    zero = np.zeros((), np.float64)
+    per = {"count": np.zeros(d_sae), "sum": np.zeros(d_sae), "max": np.full(d_sae, -np.inf)}
+    return {"rows": zero, "rows_over_k": zero.copy(), "dropped_mass": zero.copy(), **per}
+
+
+def create(root: zarr.Group, latents: Mapping[str, Mapping[str, Any]], num_samples: int, chunk_size: int) -> list[str]:
+    """The ``latents`` group and each layer's codes and statistics arrays (empty); returns the
+    statistics arrays' paths, for the digests' columns (the codes are in ``row_arrays``)."""
+    if not latents:
+        return []
+    num_chunks = -(-num_samples // chunk_size)
+    group = root.create_group(LATENTS)
+    paths = []
+    for layer, description in latents.items():
+        k, d_sae = int(description["k"]), int(description["d_sae"])
+        codes = group.create_group(layer, attributes={key: description[key] for key in DESCRIPTION})
+        for name, dtype, fill in (("indices", "int32", -1), ("values", "float16", 0)):
+            codes.create_array(
+                name, shape=(num_samples, k), chunks=(chunk_size, k), dtype=dtype, fill_value=fill,
+                compressors=checked(codecs("zstd")), dimension_names=("token", f"{layer}.latent_rank"),
+            )  # fmt: skip
+        width = len(HEAD) + len(PER_LATENT) * d_sae
+        root.require_group(STATS).require_group(LATENTS).create_array(
+            layer, shape=(num_chunks, width), chunks=(1, width), dtype="float64", fill_value=np.nan,
+            compressors=checked(codecs("zstd")), dimension_names=("chunk", f"{layer}.latent_statistic"),
+            attributes={"columns": columns(d_sae), "d_sae": d_sae},
+        )  # fmt: skip
+        paths.append(stats_path(layer))
+    return paths
+
+
+@dataclass
+class ChunkCodes:
+    """One chunk's codes of one layer, as the writer hands them to the store."""
+
+    indices: np.ndarray  # (rows, k) int32
+    values: np.ndarray  # (rows, k) float16
+    stats: dict[str, np.ndarray]  # merged ``LatentStats.numpy()`` of the chunk's rows
+
+
+def write_chunk(store: FeatureStore, chunk: int, start: int, stop: int, codes: Mapping[str, ChunkCodes]) -> None:
+    """Chunk ``chunk``'s codes and statistics row of every layer (before its digests and ``done``)."""
+    for layer, part in codes.items():
+        store.array(indices_path(layer))[start:stop] = part.indices
+        store.array(values_path(layer))[start:stop] = part.values
+        rows = store.array(stats_path(layer))
+        rows[chunk] = stats_row(part.stats, int(rows.attrs["d_sae"]))

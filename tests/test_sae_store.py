@@ -1,0 +1,267 @@
+"""``--sae LAYER=PATH`` (issue 32): a job stores a layer's SAE codes sparse (``latents/<layer>``), and
+they must be sae_lens's own: the top-k of ``sae.encode(x)`` on the layer's rows as the same store keeps
+them (``--dtype float32``), chosen by numpy (value descending, lower latent first), values as float16;
+the per-chunk statistics numpy's over the dense codes of each chunk's rows. 1 and 2 processes and a
+killed then rerun job give the same bytes; bad input is one line, exit 2, with nothing written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from launches import ROOT, Sequence, environment
+from text_models import real_documents, save_text_model, write_jsonl
+
+pytest.importorskip("sae_lens")
+
+HOOK, WIDTH, D_SAE = "blocks.1.hook_resid_post", 32, 64
+RAGGED = ["--context-length", "80", "--chunk-size", "48", "--tokens-per-batch", "96", "--dtype", "float32"]
+PACKED = ["--pack", "40", "--chunk-size", "56", "--tokens-per-batch", "120", "--dtype", "float32"]
+
+
+def _save_sae(path, architecture: str, d_in: int = WIDTH, hook: str = HOOK, seed: int = 1):
+    import sae_lens
+    from sae_lens.saes.sae import SAEMetadata
+
+    kinds = {
+        "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig, {"k": 8}),
+        "relu": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig, {}),
+    }
+    sae_class, cfg_class, extra = kinds[architecture]
+    sae = sae_class(cfg_class(d_in=d_in, d_sae=D_SAE, metadata=SAEMetadata(hook_name=hook), **extra))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # not the initialisation's zeros: every term of the encoder counts
+        for parameter in sae.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    sae.save_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sae-store")
+    write_jsonl(root / "docs.jsonl", [*real_documents(24, seed=5), ""])
+    model = save_text_model("gpt2", root / "gpt2")
+    saes = {name: _save_sae(root / name, name) for name in ("topk", "relu")}
+    return root, model, saes
+
+
+def _job(corpus, out, sae: str, *options, layer: str = HOOK):
+    root, model, saes = corpus
+    return [
+        "--model", f"hf:{model}", "--layers", layer, "transformer.h.0", "--data", f"text:{root / 'docs.jsonl'}",
+        "--sae", f"{HOOK}={saes[sae]}", *options, "--out", str(out),
+    ]  # fmt: skip
+
+
+def _jobs(corpus, folder):
+    return {
+        "topk": _job(corpus, folder / "topk.zarr", "topk", *RAGGED),
+        # the layer given by its module, the SAE by its TransformerLens hook: the same tensor
+        "relu_packed": _job(corpus, folder / "relu.zarr", "relu", *PACKED, "--sae-k", "16", layer="transformer.h.1"),
+        "only": _job(corpus, folder / "only.zarr", "topk", *RAGGED, "--sae-only"),
+    }
+
+
+@pytest.fixture(scope="module")
+def one(corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one")
+    sequence = Sequence(None, _jobs(corpus, folder), folder)
+    finished = sequence.run(timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    for name in _jobs(corpus, folder):
+        assert sequence.result(name).codes == [0], sequence.result(name).stderr[-3000:]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def two(corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("two")
+    jobs = {k: v for k, v in _jobs(corpus, folder).items() if k != "only"}
+    sequence = Sequence(2, jobs, folder)
+    finished = sequence.run(timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    for name in jobs:
+        assert sequence.result(name).codes == [0, 0], sequence.result(name).stderr[-3000:]
+    return folder
+
+
+def _reference(dense: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k largest nonzero codes by numpy: value descending, then latent ascending."""
+    indices = np.full((len(dense), k), -1, dtype=np.int32)
+    values = np.zeros((len(dense), k), dtype=np.float32)
+    for r, row in enumerate(dense):
+        order = np.lexsort((np.arange(len(row)), -row))  # the last key sorts first
+        order = order[row[order] != 0][:k]
+        indices[r, : len(order)], values[r, : len(order)] = order, row[order]
+    return indices, values
+
+
+def _dense(sae_path, rows: np.ndarray) -> np.ndarray:
+    from sae_lens import SAE
+
+    with torch.no_grad():
+        return SAE.load_from_disk(sae_path).encode(torch.from_numpy(rows)).numpy()
+
+
+def _check_codes(store, layer: str, sae_path, k: int, rows: np.ndarray | None = None) -> None:
+    group = zarr.open_group(store, mode="r")
+    rows = group[f"features/{layer}"][:] if rows is None else rows
+    dense = _dense(sae_path, rows)
+    indices, values = group[f"latents/{layer}/indices"][:], group[f"latents/{layer}/values"][:]
+    want_indices, want_values = _reference(dense, k)
+    assert indices.dtype == np.int32 and values.dtype == np.float16 and indices.shape == (len(rows), k)
+    np.testing.assert_array_equal(indices, want_indices)
+    np.testing.assert_array_equal(values, want_values.astype(np.float16))
+    statistics = group[f"stats/latents/{layer}"]
+    columns, chunk = statistics.attrs["columns"], group.attrs["chunk_size"]
+    assert statistics.shape[0] == -(-len(rows) // chunk)
+    for c, row in enumerate(statistics[:]):
+        codes = dense[c * chunk : (c + 1) * chunk].astype(np.float64)
+        part = {name: row[start:stop] for name, (start, stop) in columns.items()}
+        active = codes != 0
+        np.testing.assert_array_equal(part["count"], active.sum(0))
+        np.testing.assert_allclose(part["sum"], codes.sum(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(part["max"], codes.max(0), rtol=1e-6)
+        assert part["rows"][0] == len(codes) and part["rows_over_k"][0] == (active.sum(1) > k).sum()
+        kept = np.sort(np.where(active, codes, -np.inf), axis=1)[:, ::-1][:, :k]
+        dropped = codes.sum() - kept[np.isfinite(kept)].sum()
+        np.testing.assert_allclose(part["dropped_mass"][0], dropped, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, sae, k", [("topk", "topk", 8), ("relu_packed", "relu", 16)])
+def test_stored_codes_are_sae_lens_encode_of_the_stored_rows(corpus, one, name, sae, k):
+    store = one / {"topk": "topk.zarr", "relu_packed": "relu.zarr"}[name]
+    layer = HOOK if name == "topk" else "transformer.h.1"
+    _check_codes(store, layer, corpus[2][sae], k)
+    attrs = zarr.open_group(store, mode="r")[f"latents/{layer}"].attrs
+    assert (attrs["d_sae"], attrs["k"], attrs["hook_name"]) == (D_SAE, k, HOOK)
+    assert attrs["architecture"] == {"topk": "topk", "relu": "standard"}[sae]
+
+
+def test_sae_only_stores_the_codes_alone(corpus, one):
+    group = zarr.open_group(one / "only.zarr", mode="r")
+    assert f"features/{HOOK}" not in group and "features/transformer.h.0" in group
+    reference = zarr.open_group(one / "topk.zarr", mode="r")
+    _check_codes(one / "only.zarr", HOOK, corpus[2]["topk"], 8, rows=reference[f"features/{HOOK}"][:])
+
+
+def _arrays(location) -> dict[str, np.ndarray]:
+    group = zarr.open_group(location, mode="r")
+    return {name: member[:] for name, member in group.members(max_depth=None) if isinstance(member, zarr.Array)}
+
+
+def _assert_same_bytes(location, reference) -> None:
+    ours, theirs = _arrays(location), _arrays(reference)
+    assert sorted(ours) == sorted(theirs)
+    for name, values in theirs.items():
+        assert ours[name].dtype == values.dtype, name
+        if values.dtype.kind in "fiub":
+            assert np.array_equal(ours[name].view(np.uint8), values.view(np.uint8)), name
+        else:
+            assert (ours[name] == values).all(), name
+
+
+@pytest.mark.parametrize("store", ["topk.zarr", "relu.zarr"])
+def test_two_processes_give_the_bytes_of_one(one, two, store):
+    _assert_same_bytes(two / store, one / store)
+
+
+def test_a_killed_run_rerun_gives_the_bytes_of_one(corpus, one, tmp_path):
+    out = tmp_path / "killed.zarr"
+    args = [*_job(corpus, out, "topk", *RAGGED[:-4], "--tokens-per-batch", "16", "--dtype", "float32")]
+    command = [sys.executable, "-m", "extract", *args]
+    job = subprocess.Popen(command, cwd=ROOT, env=environment(), stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    done = len(os.listdir(out / "done" / "c"))
+    assert 0 < done < zarr.open_group(out, mode="r")["done"].shape[0], "the run was not killed mid-way"
+    rerun = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming" in rerun.stderr
+    reference = tmp_path / "reference.zarr"
+    again = subprocess.run([*command[:-1], str(reference)], cwd=ROOT, env=environment(), capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_same_bytes(out, reference)
+    verified = subprocess.run(
+        [sys.executable, "-m", "extract", "verify", str(out)],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_resume_with_another_sae_is_refused(corpus, one, tmp_path):
+    from extract.errors import ExtractError  # noqa: F401 - the exit status says it
+
+    out = tmp_path / "store.zarr"
+    args = _job(corpus, out, "topk", *RAGGED)
+    first = subprocess.run(
+        [sys.executable, "-m", "extract", *args], cwd=ROOT, env=environment(), capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    other = [*args]
+    other[other.index("--sae") + 1] = f"{HOOK}={corpus[2]['relu']}"
+    refused = subprocess.run(
+        [sys.executable, "-m", "extract", *other], cwd=ROOT, env=environment(), capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "sae" in refused.stderr
+
+
+def _bad(corpus, tmp_path, capsys, sae_path, layer_options=()):
+    from extract.cli.extract import main
+
+    root, model, _ = corpus
+    out = tmp_path / "bad.zarr"
+    args = [
+        "--model", f"hf:{model}", "--layers", HOOK, *layer_options, "--data", f"text:{root / 'docs.jsonl'}",
+        "--sae", f"{HOOK}={sae_path}", *RAGGED, "--out", str(out),
+    ]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("extract")]  # not transformers' progress bars
+    assert len(said) == 1 and said[0].startswith("extract: error: "), err
+    message = said[0]
+    assert not out.exists()
+    return message
+
+
+def test_an_sae_of_another_width_is_one_line(corpus, tmp_path, capsys):
+    sae = _save_sae(tmp_path / "narrow", "relu", d_in=16)
+    message = _bad(corpus, tmp_path, capsys, sae)
+    assert "d_in=16" in message and "32 wide" in message
+
+
+def test_an_sae_of_another_hook_is_one_line(corpus, tmp_path, capsys):
+    sae = _save_sae(tmp_path / "other", "relu", hook="blocks.2.hook_resid_post")
+    message = _bad(corpus, tmp_path, capsys, sae)
+    assert "blocks.2.hook_resid_post" in message and HOOK in message and "transformer.h.2" in message
+
+
+def test_a_directory_that_is_no_sae_is_one_line(corpus, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    message = _bad(corpus, tmp_path, capsys, tmp_path / "empty")
+    assert "cfg.json" in message and str(tmp_path / "empty") in message
+
+
+def test_missing_sae_lens_is_one_line(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sae_lens", None)  # import sae_lens raises ImportError
+    message = _bad(corpus, tmp_path, capsys, corpus[2]["topk"])
+    assert "pip install 'extract[sae]'" in message
+
+
+def test_a_pooled_store_is_refused_in_one_line(corpus, tmp_path, capsys):
+    message = _bad(corpus, tmp_path, capsys, corpus[2]["topk"], layer_options=("--pool", "mean"))
+    assert "--sae" in message and "per document" in message
