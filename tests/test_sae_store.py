@@ -265,3 +265,44 @@ def test_missing_sae_lens_is_one_line(corpus, tmp_path, capsys, monkeypatch):
 def test_a_pooled_store_is_refused_in_one_line(corpus, tmp_path, capsys):
     message = _bad(corpus, tmp_path, capsys, corpus[2]["topk"], layer_options=("--pool", "mean"))
     assert "--sae" in message and "per document" in message
+
+
+def test_codes_a_job_stored_read_back_and_rank_as_numpy_says(one, tmp_path):
+    """The read side over a store the job wrote: ``latents`` and ``latent`` are the stored codes,
+    ``TokenStream`` yields each token's codes once an epoch, and ``extract top`` ranks every latent's
+    tokens as a brute-force numpy ranking of the same codes does (value descending, lower row first)."""
+    import pyarrow.parquet as pq
+
+    from extract import TokenStream, open_features
+    from extract.cli.top import main as top_main
+
+    store = one / "topk.zarr"
+    group = zarr.open_group(store, mode="r")
+    indices, values = group[f"latents/{HOOK}/indices"][:], group[f"latents/{HOOK}/values"][:]
+    dense = np.zeros((len(indices), D_SAE), dtype=np.float32)
+    rows = np.repeat(np.arange(len(indices)), indices.shape[1])
+    kept = indices.ravel() >= 0
+    dense[rows[kept], indices.ravel()[kept]] = values.ravel()[kept].astype(np.float32)
+
+    features = open_features(store)
+    np.testing.assert_array_equal(features.latents(HOOK).toarray(), dense)
+    np.testing.assert_array_equal(features.latents(HOOK, rows=slice(5, 40), as_torch=True).to_dense().numpy(), dense[5:40])
+    np.testing.assert_array_equal(features.latent(HOOK, 3), dense[:, 3])
+
+    stream = TokenStream(store, f"latents/{HOOK}", batch_size=32, return_index=True, threads=0)
+    seen = np.zeros(len(dense), dtype=int)
+    for batch, index in stream:
+        np.testing.assert_array_equal(batch.to_dense().numpy(), dense[index.numpy()])
+        np.add.at(seen, index.numpy(), 1)
+    assert (seen == 1).all()
+
+    k = 3
+    assert top_main([str(store), "--layer", HOOK, "-k", str(k), "--context", "4", "--out", str(tmp_path / "top")]) == 0
+    table = pq.read_table(tmp_path / "top" / "top.parquet").to_pandas()
+    for latent in range(D_SAE):
+        column = dense[:, latent]
+        order = np.lexsort((np.arange(len(column)), -column))
+        want = [int(r) for r in order[:k] if column[r] > 0]
+        got = table[table.latent == latent].sort_values("rank")
+        assert got.row.tolist() == want, latent
+        np.testing.assert_array_equal(got.activation.to_numpy(), column[want])
