@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from stores import array_store
+from helpers import ROOT
+from helpers.stores import array_store
 
 from extract import ExtractError
 from extract.cli.base import command
@@ -91,7 +91,7 @@ def test_analysis_commands_do_not_load_the_extraction_pipeline(tmp_path):
 def test_one_extract_command_with_subcommands(tmp_path):
     """``extract <command>``: each command behind one entry, with its own --help; flags alone still run a job
     (``accelerate launch -m extract --model ...``, as before), and ``extract.X`` modules still work."""
-    from conftest import run_cli
+    from helpers.cli import run_cli
 
     listed = run_cli("--help")
     assert listed.returncode == 0

@@ -16,9 +16,9 @@ import uuid
 import numpy as np
 import pytest
 import zarr
-from launches import Sequence, rank_pids
-from s3 import s3_server_or_none
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.launches import Sequence, rank_pids
+from helpers.s3 import s3_server_or_none
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract.store.location import open_store
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
 from extract.cli.extract import main as extract_main
