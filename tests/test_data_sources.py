@@ -15,7 +15,7 @@ import pytest
 import zarr
 from helpers.cli import SMALL, one_line_error
 from helpers.data_files import decode_all, encoded_image, make_png_tree, read_shards_with_tarfile, write_shards
-from helpers.reference import load_images, reference, resnet18
+from helpers.reference import load_images, preset, reference, resnet18
 from zarr.errors import ZarrUserWarning
 
 from extract import open_features
@@ -385,7 +385,7 @@ def test_listing_hash_tracks_the_files(tmp_path):
 
 def test_images_agree_with_reference_loader(png_tree):
     root, files = png_tree
-    source = build_dataset(f"imagefolder:{root}", __import__("reference").preset(32), 32)
+    source = build_dataset(f"imagefolder:{root}", preset(32), 32)
     stacked = np.stack([source[i][0].numpy() for i in range(len(source))])
     assert np.array_equal(stacked, load_images([f for f, _ in files], 32).numpy())
 
