@@ -15,7 +15,7 @@ launcher's process group alone (the ranks must notice and stop; the time they li
     python benchmarks/kill_storm.py --processes 2 --trials 24 --json storm2.json
     python benchmarks/kill_storm.py --s3 --trials 60     # a store on S3 (moto's server on loopback)
 
-``--s3`` runs ``tests/s3_forked.py storm`` (the suite's storm on S3, which kills at 10 points) with
+``--s3`` runs ``tests/helpers/s3_forked.py storm`` (the suite's storm on S3, which kills at 10 points) with
 ``--trials`` points spread over every object a run writes, plus its targeted points.
 
 Repeatable: ``--seed`` fixes the kill instants and kinds.
@@ -41,14 +41,14 @@ import numpy as np
 import zarr
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests" / "tiny_models.py"
+TINY = ROOT / "tests" / "helpers" / "tiny_models.py"
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
        "--dtype", "float32", "--data", "synthetic:96", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
 ARRAYS = ("features/heads.conv", "labels", "valid")
 SLOW_NET = """
 import time, torch, sys
 sys.path.insert(0, {tests!r})
-from tiny_models import dict_net
+from helpers.tiny_models import dict_net
 class Slow(torch.nn.Module):
     def __init__(self, seconds):
         super().__init__()
@@ -209,7 +209,7 @@ def same(got: Path, expected: Path) -> str | None:
 
 
 def s3_storm(points: int) -> None:
-    """The storm of ``tests/s3_forked.py`` with ``points`` kills, against moto's server in this process
+    """The storm of ``tests/helpers/s3_forked.py`` with ``points`` kills, against moto's server in this process
     (which makes no request through obstore: the storm forks its runs)."""
     import logging
 
@@ -226,7 +226,7 @@ def s3_storm(points: int) -> None:
                  aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="storm")  # fmt: skip
     started = time.time()
     try:
-        subprocess.run([sys.executable, str(ROOT / "tests" / "s3_forked.py"), "storm", "bench"],
+        subprocess.run([sys.executable, str(ROOT / "tests" / "helpers" / "s3_forked.py"), "storm", "bench"],
                        env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, check=True)  # fmt: skip
     finally:
         server.stop()

@@ -4,7 +4,7 @@ Against moto's S3 server (``moto.server``, in a process of its own on 127.0.0.1)
 what ``extract``'s client side costs over the same server, not S3:
 
 1. **Requests per chunk.** A whole job (``python -m extract``, a subprocess, ``--out s3://...``)
-   through the counting proxy of the tests (``tests/faultproxy.py``, in pass-through), then a whole
+   through the counting proxy of the tests (``tests/helpers/faultproxy.py``, in pass-through), then a whole
    read of the store (``open_features(url).load`` of every layer, labels, valid): requests by method
    and kind of key (chunk objects, ``zarr.json`` metadata, the lock, listings), and bytes sent or
    received in request and response bodies, per chunk of the store, against the bytes it holds.
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from faultproxy import FaultProxy  # noqa: E402
+from helpers.faultproxy import FaultProxy  # noqa: E402
 
 from extract.read.features import open_features  # noqa: E402
 from extract.store.location import object_store  # noqa: E402
@@ -50,7 +50,7 @@ from extract.store.store import FeatureStore  # noqa: E402
 
 BUCKET = "bench"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
-TINY = ROOT / "tests" / "tiny_models.py"
+TINY = ROOT / "tests" / "helpers" / "tiny_models.py"
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "fc", "--image-size", "32",
        "--num-workers", "0", "--dtype", "float32", "--batch-size", "8"]  # fmt: skip
 

@@ -5,7 +5,7 @@
     python benchmarks/tokenize_batch.py [--tokens 2000000] [--context-length 512] [--repeats 3]
 
 The tokenizer is the suite's GPT-2-shaped byte-level BPE trained on the standard library's docstrings
-(tests/text_models.py); the text is real prose: every docstring of the standard library, repeated.
+(tests/helpers/text_models.py); the text is real prose: every docstring of the standard library, repeated.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from text_models import save_text_model
+    from helpers.text_models import save_text_model
 
     from extract.data.source import DataOptions, DataRequest
     from extract.data.text import open_text

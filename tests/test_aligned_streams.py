@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import make_png_tree
-from launches import Sequence
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.data_files import make_png_tree
+from helpers.launches import Sequence
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 from torch.utils.data import DataLoader
 
 from extract import ChunkShuffleSampler, FeatureDataset, TokenStream, open_features

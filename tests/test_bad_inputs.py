@@ -9,10 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zarr
-from data_files import add_member, encoded_image
+from helpers.cli import SMALL, one_line_error
+from helpers.data_files import add_member, encoded_image
 
-SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
-         "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
 NOT_UTF8 = b"\xff\xfe.png"
 TOO_BIG = "9" * 23  # beyond int64
 
@@ -21,9 +20,8 @@ def refused(cli, tmp_path: Path, *args: object) -> str:
     """The one error line of a run that must be refused with exit 2, creating nothing."""
     out = tmp_path / "out.zarr"
     code, _, err = cli(*SMALL, "--out", out, *args)
-    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+    assert code == 2, err
+    return one_line_error(err)
 
 
 def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:

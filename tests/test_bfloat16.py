@@ -14,9 +14,9 @@ import pytest
 import tiny_models
 import torch
 import zarr
-from conftest import TINY
-from reference import reference, synthetic_images
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers import TINY
+from helpers.reference import reference, synthetic_images
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import FeatureDataset, TokenStream, open_features
 from extract.capture.cast import overflows

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from reference import resnet18
-from tiny_models import dict_net
+from helpers.reference import resnet18
+from helpers.tiny_models import dict_net
 
 import extract
 from extract import Capture, ExtractError, StopForward

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from extract import open_features

@@ -1,13 +1,14 @@
 """The command-line layer: one wrapper turns exceptions into one line and an exit status, and the
 analysis commands (run as users run them, ``python -m extract.probe``) load none of the pipeline."""
 
+import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from stores import array_store
+from helpers import ROOT
+from helpers.stores import array_store
 
 from extract import ExtractError
 from extract.cli.base import command
@@ -88,10 +89,25 @@ def test_analysis_commands_do_not_load_the_extraction_pipeline(tmp_path):
     assert result.stdout.splitlines()[-1] == "[]"
 
 
-def test_one_extract_command_with_subcommands(tmp_path):
+def _entry_point(capsys, *args: object) -> tuple[int, str, str]:
+    """``extract ARGS`` through the console script's own ``main``, in this process: the commands that
+    import torch cost seconds each in a subprocess. Returns (exit code, stdout, stderr)."""
+    from extract.cli.startup import main
+
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        code = main([str(a) for a in args])
+    finally:
+        signal.signal(signal.SIGINT, handler)  # the entry point's: a Ctrl-C would end pytest with os._exit
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_one_extract_command_with_subcommands(tmp_path, capsys):
     """``extract <command>``: each command behind one entry, with its own --help; flags alone still run a job
-    (``accelerate launch -m extract --model ...``, as before), and ``extract.X`` modules still work."""
-    from conftest import run_cli
+    (``accelerate launch -m extract --model ...``, as before), and ``extract.X`` modules still work. The
+    entry point runs as users run it (a subprocess) where that is cheap, in this process where it imports torch."""
+    from helpers.cli import run_cli
 
     listed = run_cli("--help")
     assert listed.returncode == 0
@@ -101,17 +117,18 @@ def test_one_extract_command_with_subcommands(tmp_path):
     out = tmp_path / "s.zarr"
     job = ["--model", "resnet18", "--weights", "none", "--layers", "layer4", "--pool", "avg", "--image-size", "32",
            "--data", "synthetic:8", "--num-workers", "0", "--out", str(out)]  # fmt: skip
-    ran = run_cli("run", *job)
-    assert ran.returncode == 0, ran.stderr
-    again = run_cli(*job)  # flags alone: the same job, already complete
-    assert again.returncode == 0 and "already complete" in again.stderr, again.stderr
+    code, _, err = _entry_point(capsys, "run", *job)
+    assert code == 0, err
+    code, _, err = _entry_point(capsys, *job)  # flags alone: the same job, already complete
+    assert code == 0 and "already complete" in err, err
     verified = run_cli("verify", str(out))
     assert verified.returncode == 0 and "done chunks are present" in verified.stdout, verified.stdout + verified.stderr
     modules = subprocess.run(
         [sys.executable, "-m", "extract.verify", str(out)], capture_output=True, text=True, cwd=ROOT
     )
     assert modules.stdout == verified.stdout
-    layers = run_cli("list-layers", "--model", "resnet18")
-    assert layers.returncode == 0 and "layer4" in layers.stdout, layers.stderr
-    unknown = run_cli("verfy", str(out))  # not a command: read as run's arguments, refused in one line
-    assert unknown.returncode == 2 and "extract: error:" in unknown.stderr, unknown.stderr
+    code, layers, err = _entry_point(capsys, "list-layers", "--model", "resnet18")
+    assert code == 0 and "layer4" in layers, err
+    # not a command: read as run's arguments, refused in one line
+    code, _, err = _entry_point(capsys, "verfy", str(out))
+    assert code == 2 and "extract: error:" in err, err

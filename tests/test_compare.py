@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 import zarr
+from helpers.stores import add_keys, array_store
 from PIL import Image
-from stores import add_keys, array_store
 
 from extract import ExtractError, Features, open_features
 from extract.analysis.cka import Side, compare, minibatch_cka, parse_target

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 import zarr
-from conftest import ROOT
+from helpers import ROOT
 
 from extract.capture.layers import resolve_layers
 from extract.cli.extract import parse_spec

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from reference import reference, resnet18, synthetic_images
+from helpers.reference import reference, resnet18, synthetic_images
 from torch import nn
 
 from extract import Capture

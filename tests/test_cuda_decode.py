@@ -11,9 +11,9 @@ import io
 import numpy as np
 import pytest
 import torch
-from data_files import encoded_image, write_shards
+from helpers.data_files import encoded_image, write_shards
+from helpers.reference import preset
 from PIL import Image
-from reference import preset
 
 from extract import open_features
 from extract.data.decode import Decoding

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 import zarr
-from conftest import ROOT
-from data_files import write_shards
-from launches import Sequence, launcher, rank_pids
+from helpers import ROOT
+from helpers.data_files import write_shards
+from helpers.launches import Sequence, launcher, rank_pids
 
 from extract import open_features
 

@@ -5,8 +5,8 @@ that path resolves to the same place."""
 import numpy as np
 import pytest
 import zarr
-from conftest import make_png_tree
-from data_files import write_shards
+from helpers import cli as cli_args
+from helpers.data_files import make_png_tree, write_shards
 
 from extract.data import DataOptions, job_data
 from extract.data.registry import open_source
@@ -14,8 +14,7 @@ from extract.data.source import DataRequest
 from extract.store.schema import checked, codecs, fingerprint
 from extract.store.store import FeatureStore
 
-SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
-         "--num-workers", "0", "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
+SMALL = [*cli_args.SMALL, "--chunk-size", "4", "--batch-size", "4"]
 
 
 @pytest.fixture

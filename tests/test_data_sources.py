@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zarr
-from conftest import make_png_tree
-from data_files import decode_all, encoded_image, read_shards_with_tarfile, write_shards
-from reference import load_images, reference, resnet18
+from helpers.cli import SMALL, one_line_error
+from helpers.data_files import decode_all, encoded_image, make_png_tree, read_shards_with_tarfile, write_shards
+from helpers.reference import load_images, preset, reference, resnet18
 from zarr.errors import ZarrUserWarning
 
 from extract import open_features
@@ -24,15 +24,6 @@ from extract.data.shards import expand_braces
 from extract.errors import ExtractError
 from extract.store.store import FeatureStore
 from extract.store.verify import verify
-
-SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
-         "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
-
-
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def expected_features(images: list[bytes]) -> np.ndarray:
@@ -394,7 +385,7 @@ def test_listing_hash_tracks_the_files(tmp_path):
 
 def test_images_agree_with_reference_loader(png_tree):
     root, files = png_tree
-    source = build_dataset(f"imagefolder:{root}", __import__("reference").preset(32), 32)
+    source = build_dataset(f"imagefolder:{root}", preset(32), 32)
     stacked = np.stack([source[i][0].numpy() for i in range(len(source))])
     assert np.array_equal(stacked, load_images([f for f, _ in files], 32).numpy())
 

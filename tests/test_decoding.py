@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
-from data_files import write_shards
+from helpers.cli import SMALL
+from helpers.data_files import write_shards
+from helpers.reference import preset
 from PIL import Image
-from reference import preset
 from torchvision import transforms as T
 
 from extract import open_features
@@ -18,9 +19,6 @@ from extract.data.decode import Decoding
 from extract.data.gpu_decode import GpuDecoder, collate_encoded, tensor_transform, transform_from_description
 from extract.errors import ExtractError
 from extract.models import preprocessing_record
-
-SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
-         "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
 
 # Normalized units (after mean/std). Draft: 2000x1500 JPEGs at crop 224 (DCT scale 1/4), measured max
 # 0.105-0.21, mean 0.005-0.010 (benchmarks/RESULTS.md also has a harder case). nvjpeg: tensor resize vs

@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 import zarr
-from conftest import ROOT, run_cli
-from launches import Sequence, free_port, launcher, rank_pids
+from helpers import ROOT
+from helpers.cli import run_cli
+from helpers.launches import Sequence, free_port, launcher, rank_pids
 
 pytestmark = pytest.mark.slow
 

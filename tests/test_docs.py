@@ -13,7 +13,7 @@ import sys
 import tomllib
 
 import yaml
-from conftest import ROOT
+from helpers import ROOT
 
 DOCS = ROOT / "docs"
 

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 import zarr
-from stores import array_store
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.stores import array_store
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
 from extract.analysis import export as export_module

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import TINY
-from launches import Sequence
-from reference import load_images, reference, resnet18, synthetic_images
+from helpers import TINY
+from helpers.launches import Sequence
+from helpers.reference import load_images, reference, resnet18, synthetic_images
 
 
 def read(store, layer):
@@ -78,7 +78,7 @@ def test_filelist_with_labels_and_pooling(cli, filelist, tmp_path):
 
 
 def test_tuple_output_selector_and_token_pools(cli, tmp_path):
-    from tiny_models import tiny_vit
+    from helpers.tiny_models import tiny_vit
 
     images = synthetic_images(6)
     attention = "encoder.layers.encoder_layer_1.self_attention"
@@ -102,7 +102,7 @@ def test_tuple_output_selector_and_token_pools(cli, tmp_path):
 
 
 def test_dict_output_key_selector(cli, tmp_path):
-    from tiny_models import dict_net
+    from helpers.tiny_models import dict_net
 
     images = synthetic_images(5)
     out = tmp_path / "d.zarr"
@@ -218,7 +218,7 @@ def test_list_layers(cli):
 
 @pytest.fixture(scope="module")
 def as_a_user_runs_it(tmp_path_factory):
-    """One process of its own (tests/job_sequence.py) runs these commands in turn, behind a proxy that
+    """One process of its own (tests/helpers/job_sequence.py) runs these commands in turn, behind a proxy that
     goes nowhere: an unknown layer; a download of weights that fails; weights found in the torch hub
     cache (each its own TORCH_HOME, which torch reads at run time)."""
     folder = tmp_path_factory.mktemp("cli")

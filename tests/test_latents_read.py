@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from extract import open_features

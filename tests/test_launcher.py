@@ -13,9 +13,10 @@ import time
 import numpy as np
 import pytest
 import zarr
-from conftest import ROOT, TINY, run_cli
-from forked import fork_run
-from launches import environment, free_port, launcher, rank_pids
+from helpers import ROOT, TINY
+from helpers.cli import run_cli
+from helpers.forked import fork_run
+from helpers.launches import environment, free_port, launcher, rank_pids
 
 PACED = ["--model", f"{TINY}:paced_net", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
          "--dtype", "float32", "--data", "synthetic:640", "--chunk-size", "16", "--batch-size", "16"]  # fmt: skip

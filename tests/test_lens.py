@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from text_models import gpt2_tokenizer, llama_tokenizer, real_documents, write_jsonl
+from helpers.text_models import gpt2_tokenizer, llama_tokenizer, real_documents, write_jsonl
 
 from extract import open_features
 from extract.capture import Capture, resolve_layers

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import ROOT, TINY, run_cli
-from launches import Sequence
+from helpers import ROOT, TINY
+from helpers.cli import run_cli
+from helpers.launches import Sequence
 from PIL import Image
 
 timm = pytest.importorskip("timm")
@@ -297,7 +298,7 @@ def test_open_clip_image_tower_equals_open_clips_pipeline(cli, photos, tmp_path)
 
 
 def test_factory_brings_its_own_preprocessing(cli, photos, tmp_path):
-    from tiny_models import tiny_with_transform
+    from helpers.tiny_models import tiny_with_transform
 
     root, files = photos
     out = tmp_path / "own.zarr"
@@ -318,7 +319,7 @@ def test_channels_last_map_of_unknown_layout_is_refused_then_pooled_as_told(cli,
     assert not (tmp_path / "refused.zarr").exists()
     out = tmp_path / "told.zarr"
     run_ok(cli, *base, "--pool", "avg", "--layout", "mix=NHWC", "--out", out)
-    from tiny_models import fixed_size_nhwc
+    from helpers.tiny_models import fixed_size_nhwc
     from torchvision.models import ResNet18_Weights
 
     model = fixed_size_nhwc().eval()

@@ -1,5 +1,5 @@
 """Issue 20, first part: a store argument that is a path or an object-storage URL, and the store's lock
-on object storage made of conditional writes, against moto's S3 server on loopback (``tests/s3.py``)."""
+on object storage made of conditional writes, against moto's S3 server on loopback (``tests/helpers/s3.py``)."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ with ObjectStoreLock(sys.argv[1]) as lock:
 
 def test_a_paused_holder_comes_back_without_its_lock(s3, monkeypatch):
     """A real pause (SIGSTOP) past the stale age, as in test_reliability's paused holder on disk."""
-    from conftest import ROOT
+    from helpers import ROOT
 
     monkeypatch.setenv("EXTRACT_LOCK_STALE_AFTER", "0.6")
     url = s3.url("out.zarr")
@@ -226,7 +226,7 @@ def upload(local, s3, name):
 
 
 def test_open_features_reads_a_store_on_s3(s3, tmp_path):
-    from stores import add_keys, array_store
+    from helpers.stores import add_keys, array_store
 
     from extract.read.features import open_features
     from extract.store.store import FeatureStore

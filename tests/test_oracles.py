@@ -4,7 +4,8 @@ logistic regression, and ImageFolder's order against torchvision's own ``make_da
 import numpy as np
 import pytest
 import torch
-from conftest import make_png_tree
+from helpers.cli import RESNET18
+from helpers.data_files import make_png_tree
 from PIL import Image
 from skimage import data as photographs
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
@@ -13,7 +14,7 @@ from extract import open_features
 from extract.analysis.probe import ProbeOptions, fit_logistic_regression, probe_layers, split
 from extract.analysis.samples import Samples, labelled_rows
 
-SMALL = ["--model", "resnet18", "--weights", "none", "--image-size", "32", "--num-workers", "0", "--batch-size", "16"]
+SMALL = [*RESNET18, "--num-workers", "0", "--batch-size", "16"]
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import ROOT, TINY
-from stores import array_store
+from helpers import ROOT, TINY
+from helpers.stores import array_store
 
 from extract import ExtractError, open_features
 from extract.analysis.knn import knn_predict

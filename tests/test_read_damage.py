@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import zarr
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import FeatureDataset, TokenStream, open_features
 from extract.cli.export import main as export_main

@@ -7,7 +7,7 @@ import pytest
 import torch
 import xarray as xr
 import zarr
-from conftest import TINY
+from helpers import TINY
 from torch.utils.data import DataLoader
 
 from extract import ChunkShuffleSampler, ExtractError, FeatureDataset, open_features
@@ -300,7 +300,7 @@ def test_a_partial_dataset_serves_the_labels_of_chunks_written_after_it_was_made
 def test_a_packed_store_names_its_samples_contexts(tmp_path):
     """``--pack T``: the rows of ``offsets`` are contexts of T tokens, not documents; the documents are
     those packed into them (one key each)."""
-    from text_models import real_documents, save_text_model, write_jsonl
+    from helpers.text_models import real_documents, save_text_model, write_jsonl
 
     documents = real_documents(12)
     write_jsonl(tmp_path / "docs.jsonl", documents)

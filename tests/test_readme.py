@@ -6,7 +6,7 @@ holding the stores it reads. Those stores are made first by the pages' own comma
 command that writes each ``--out``, looked for in README.md, then in docs/*.md by name), made small:
 ``--data synthetic:64 --image-size 32 --num-workers 0``, and tiny local text models standing in for
 ``hf:/models/gpt2`` and ``hf:/models/minilm`` (as many layers as the commands name, so their layer names
-stay the pages'). The store on S3 goes to moto's server (``tests/s3.py``) in the pages' bucket. A block
+stay the pages'). The store on S3 goes to moto's server (``tests/helpers/s3.py``) in the pages' bucket. A block
 whose first line is ``# not run by tests/test_readme.py: REASON`` is skipped, saying REASON; any other
 block that raises fails its test, naming its page and line.
 """
@@ -18,8 +18,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
-from text_models import bert_tokenizer, gpt2_tokenizer, real_documents, write_jsonl
+from helpers import ROOT
+from helpers.text_models import bert_tokenizer, gpt2_tokenizer, real_documents, write_jsonl
 
 README = ROOT / "README.md"
 PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))  # README first: its commands are the ones used

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from conftest import ROOT
+from helpers import ROOT
 
 from extract.cli.extract import build_parser
 from extract.cli.reference import REGENERATE, cli_page, flag_table

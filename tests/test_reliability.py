@@ -19,9 +19,21 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import ROOT, TINY
-from forked import EXIT_TIMEOUT, die_after, die_on, fork_run, fork_start, fork_wait, started_together, the_one_that_ran
-from launches import launcher, rank_pids
+from helpers import ROOT, TINY
+from helpers.cli import FAST_LOCK, SEEDED, TINY_JOB, one_line_error
+from helpers.forked import (
+    EXIT_TIMEOUT,
+    die_after,
+    die_on,
+    fork_run,
+    fork_start,
+    fork_wait,
+    set_environment,
+    started_together,
+    the_one_that_ran,
+)  # fmt: skip
+from helpers.launches import launcher, rank_pids
+from helpers.stores import TINY_ARRAYS, assert_same_store
 
 import extract.store.lock
 from extract.cli.verify import main as verify_main
@@ -30,31 +42,13 @@ from extract.read.features import open_features
 from extract.store.lock import lock_path
 from extract.store.store import FeatureStore
 
-TINY_JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
-            "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
-ARRAYS = ("features/heads.conv", "labels", "valid", "keys")
-
-
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def assert_same_store(got, expected):
-    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
-    assert a.attrs["status"] == "complete" and a["done"][:].all()
-    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
-    for name in ARRAYS:
-        np.testing.assert_array_equal(a[name][:], b[name][:], err_msg=name)
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The tiny job, uninterrupted; its features checked against the model run directly."""
     out = tmp_path_factory.mktemp("ref") / "ref.zarr"
     assert fork_run([*TINY_JOB, "--out", out]) == 0
-    from tiny_models import dict_net
+    from helpers.tiny_models import dict_net
 
     from extract.data import build_dataset
     from extract.models import build_model
@@ -528,7 +522,7 @@ def test_two_jobs_started_together_one_runs(tmp_path, reference, second):
     assert fork_run([*jobs[winner][:-2], "--out", expected]) == 0
     group, clean = zarr.open_group(out, mode="r"), zarr.open_group(expected, mode="r")
     assert group.attrs["fingerprint"] == clean.attrs["fingerprint"] and group.attrs["status"] == "complete"
-    for name in ARRAYS:
+    for name in TINY_ARRAYS:
         np.testing.assert_array_equal(group[name][:], clean[name][:])
     assert len(group.attrs["runs"]) == 1
 
@@ -651,16 +645,8 @@ def test_a_store_still_being_created_is_an_error_not_a_keyerror(tmp_path):
 
 # Two jobs that differ in their seed only (paced_by_seed's weights follow --seed); A also differs in
 # length, so that it runs on while B runs. The lock goes stale after 1 s (a heartbeat of 0.2 s).
-SEEDED = ["--model", f"{TINY}:paced_by_seed", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
-          "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
 JOB_A = [*SEEDED, "--data", "synthetic:160", "--seed", "0"]
 JOB_B = [*SEEDED, "--data", "synthetic:64", "--seed", "1"]
-FAST_LOCK = {"EXTRACT_LOCK_HEARTBEAT": "0.2", "EXTRACT_LOCK_STALE_AFTER": "1"}
-
-
-def _environment(**variables: str):
-    """For ``before``: the child's environment (read when the lock is made, and by the paced model)."""
-    return lambda: os.environ.update(variables)
 
 
 def _chunks_done(out: Path) -> int:
@@ -714,14 +700,14 @@ def test_a_paused_holder_stops_and_leaves_the_store_to_the_job_that_took_it(tmp_
     """A is stopped (SIGSTOP) past the stale age; B takes the store over with --overwrite for another job;
     A, continued while B runs, stops with one line (exit 1), leaves B's lock alone, and B's store is B's."""
     out, a_err, b_err = tmp_path / "taken.zarr", tmp_path / "a.err", tmp_path / "b.err"
-    a = fork_start([*JOB_A, "--out", out], _environment(TINY_PACE="0.1", **FAST_LOCK), stderr=a_err)
+    a = fork_start([*JOB_A, "--out", out], set_environment(TINY_PACE="0.1", **FAST_LOCK), stderr=a_err)
     try:
         _until(lambda: _chunks_done(out) >= 3, a, a_err)
         os.kill(a, signal.SIGSTOP)
         lock = lock_path(out)
         while time.time() - lock.stat().st_mtime < 1.1:  # A's heartbeat has stopped: the lock goes stale
             time.sleep(0.02)
-        b = fork_start([*JOB_B, "--out", out, "--overwrite"], _environment(TINY_PACE="0.15", **FAST_LOCK), b_err)
+        b = fork_start([*JOB_B, "--out", out, "--overwrite"], set_environment(TINY_PACE="0.15", **FAST_LOCK), b_err)
         _until(lambda: _lock_pid(out) == b and _chunks_done(out) >= 2, b, b_err)
         os.kill(a, signal.SIGCONT)
         code = fork_wait(a, timeout=60)
@@ -743,7 +729,7 @@ def test_a_holder_whose_lock_was_removed_stops_at_its_next_write(tmp_path, refer
     one line (exit 1), and the store is B's."""
     out, a_err = tmp_path / "unlocked.zarr", tmp_path / "a.err"
     slow_lock = {"EXTRACT_LOCK_HEARTBEAT": "30", "EXTRACT_LOCK_STALE_AFTER": "60"}
-    a = fork_start([*JOB_A, "--out", out], _environment(TINY_PACE="0.1", **slow_lock), stderr=a_err)
+    a = fork_start([*JOB_A, "--out", out], set_environment(TINY_PACE="0.1", **slow_lock), stderr=a_err)
     _until(lambda: _chunks_done(out) >= 3, a, a_err)
     lock_path(out).unlink()
     b_err = tmp_path / "b.err"

@@ -197,7 +197,7 @@ def test_accuracy_points_carry_wilson_intervals():
 
 def write_source(kind, root):
     """Ten images in the given source format; returns the --data spec (absolute paths)."""
-    from data_files import encoded_image, write_shards
+    from helpers.data_files import encoded_image, write_shards
 
     if kind == "wds":
         write_shards(root / "shards", [6, 4])
@@ -245,7 +245,7 @@ def test_thumbnails_are_read_by_key_from_shards_parquet_and_hf(kind, tmp_path, m
 
 
 def test_report_leaves_out_an_unusable_layer_and_marks_a_constant_one(tmp_path):
-    from stores import array_store
+    from helpers.stores import array_store
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, 60)
@@ -272,7 +272,7 @@ def test_a_document_store_shows_its_neighbours_as_text_read_from_its_source(tmp_
     the text source the store records (not thumbnails, not 'the keys are not file paths')."""
     import html as html_module
 
-    from text_models import real_documents, save_text_model, write_jsonl
+    from helpers.text_models import real_documents, save_text_model, write_jsonl
 
     from extract.cli.extract import main as extract_main
 

@@ -13,23 +13,16 @@ import pytest
 import tiny_models
 import torch
 import zarr
-from conftest import ROOT, TINY, make_png_tree
-from forked import fork_run, fork_start, fork_wait
-from launches import launcher, rank_pids
-from reference import load_images, reference, resnet18, synthetic_images
+from helpers import ROOT, TINY
+from helpers.cli import SMALL, one_line_error
+from helpers.data_files import make_png_tree
+from helpers.forked import fork_run, fork_start, fork_wait
+from helpers.launches import launcher, rank_pids
+from helpers.reference import load_images, reference, resnet18, synthetic_images
 
 from extract import open_features
 from extract.store.lock import lock_path, process_namespace
 from extract.store.store import FeatureStore
-
-SMALL = ["--model", "resnet18", "--weights", "none", "--layers", "layer3", "--pool", "avg", "--image-size", "32",
-         "--num-workers", "0", "--dtype", "float32"]  # fmt: skip
-
-
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_out_is_a_regular_file(cli, tmp_path):

@@ -1,5 +1,5 @@
 """Issue 20: a store on S3 read, and its lock held, through a flaky network: moto's S3 server behind
-the fault-injecting proxy (``tests/faultproxy.py``), which resets connections or answers ``503 Slow
+the fault-injecting proxy (``tests/helpers/faultproxy.py``), which resets connections or answers ``503 Slow
 Down`` for a while. Short outages are retried by obstore (``location.py``'s retry configuration); a
 long one ends, after ``EXTRACT_OBJECT_RETRY_TIMEOUT``, in an ``extract`` error of one line."""
 
@@ -23,7 +23,7 @@ LAYERS = ("a", "b")
 def stored(s3, tmp_path):
     """A small complete store (2 layers, 6 chunks each) written locally and uploaded to
     ``s3://BUCKET/PREFIX/out.zarr`` (straight to the server); its URL and the arrays it holds."""
-    from stores import array_store
+    from helpers.stores import array_store
 
     rng = np.random.default_rng(0)
     layers = {"a": rng.normal(size=(24, 5)).astype("float32"), "b": rng.normal(size=(24, 2, 3)).astype("float32")}

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
-from forked import fork_run
-from s3 import S3Prefix
+from helpers import TINY
+from helpers.forked import fork_run
+from helpers.s3 import S3Prefix
 
 from extract import open_features
 from extract.cli.compare import main as compare_main
@@ -137,7 +137,7 @@ def test_report_on_a_url_as_on_the_path(capsys, stores, tmp_path):
 
 
 def test_token_stream_reads_a_url_as_the_path(tmp_path, s3):
-    from text_models import real_documents, save_text_model, write_jsonl
+    from helpers.text_models import real_documents, save_text_model, write_jsonl
 
     from extract import TokenStream
     from extract.cli.extract import main as extract_main

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from launches import ROOT, Sequence, environment
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers import ROOT
+from helpers.launches import Sequence, environment
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 pytest.importorskip("sae_lens")
 

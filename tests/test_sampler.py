@@ -5,9 +5,9 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import ROOT
-from launches import launcher
-from stores import array_store
+from helpers import HELPERS, ROOT
+from helpers.launches import launcher
+from helpers.stores import array_store
 
 from extract import ChunkShuffleSampler
 
@@ -70,7 +70,7 @@ def test_ddp_loop_with_two_processes(tmp_path):
     )
     out = tmp_path / "seen.json"
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    command = [*launcher(2)[:-1], str(ROOT / "tests" / "ddp_sampler_script.py"), str(store), str(out)]
+    command = [*launcher(2)[:-1], str(HELPERS / "ddp_sampler_script.py"), str(store), str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import ROOT
+from helpers import ROOT
 from test_distributed import assert_same_store
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from stores import array_store
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.stores import array_store
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
 from extract.cli.extract import main as extract_main

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from text_models import real_documents, write_jsonl
+from helpers.text_models import real_documents, write_jsonl
 
 from extract.data import DataOptions, Document, TextSource, build_dataset
 from extract.data import text as text_module
@@ -122,7 +122,7 @@ def test_a_plain_jsonl_seeks_to_its_marks(tmp_path, monkeypatch):
 
 
 def test_pre_tokenized_input_ids_in_jsonl_and_parquet(tmp_path):
-    from text_models import gpt2_tokenizer
+    from helpers.text_models import gpt2_tokenizer
 
     tokenizer = gpt2_tokenizer()
     ids = [tokenizer(d)["input_ids"] for d in DOCS[:9]]

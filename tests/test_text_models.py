@@ -1,7 +1,7 @@
 """Text models from ``--model hf:DIR``: the tokenizer's own ids and special tokens, the model classes,
 weights and precision, the ``hidden_states`` aliases, the tokenizer's record and ``--list-layers``,
 each against transformers run alone. Tiny GPT-2, Llama and BERT models with tokenizers trained here
-(tests/text_models.py), on real text (the standard library's docstrings); nothing is downloaded."""
+(tests/helpers/text_models.py), on real text (the standard library's docstrings); nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from launches import Sequence
+from helpers.launches import Sequence
+from helpers.text_models import real_documents, save_text_model
 from safetensors.torch import load_file
-from text_models import real_documents, save_text_model
 
 from extract.capture import Capture
 from extract.errors import ExtractError

@@ -33,7 +33,8 @@ class Synthetic(TextSource):
 
     def documents(self, start: int, stop: int):
         for i in range(start, stop):
-            yield Document(input_ids=[(i + j) % VOCAB for j in range(int(self.lengths[i]))], label=i % 3)
+            # the list of ints a source gives, made by numpy: a comprehension of 4M ints took half the test
+            yield Document(input_ids=(np.arange(i, i + int(self.lengths[i])) % VOCAB).tolist(), label=i % 3)
 
 
 class Encoder:

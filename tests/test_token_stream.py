@@ -10,8 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from stores import array_store
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.stores import array_store
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 from torch.utils.data import DataLoader
 
 from extract import TokenStream, open_features

@@ -1,5 +1,5 @@
 """Per-token and per-document stores of text models, end to end through the CLI, against transformers
-run on each document alone (the models and tokenizers are made here: tests/text_models.py)."""
+run on each document alone (the models and tokenizers are made here: tests/helpers/text_models.py)."""
 
 import json
 import os
@@ -10,9 +10,9 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from launches import Sequence, rank_pids
-from s3 import s3_server_or_none
-from text_models import real_documents, save_text_model, write_jsonl
+from helpers.launches import Sequence, rank_pids
+from helpers.s3 import s3_server_or_none
+from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import open_features
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from conftest import TINY, make_png_tree
-from forked import fork_run
+from helpers import TINY
+from helpers.data_files import make_png_tree
+from helpers.forked import fork_run
 
 from extract.cli.verify import main as verify_main
 from extract.errors import ExtractError, StoreDamagedError
@@ -228,7 +229,7 @@ def test_a_status_edited_away_from_complete_is_named_and_set_right(capsys, tmp_p
 @pytest.fixture(scope="module")
 def text_store(tmp_path_factory):
     """A small token store of a GPT-2-like model over real documents."""
-    from text_models import real_documents, save_text_model, write_jsonl
+    from helpers.text_models import real_documents, save_text_model, write_jsonl
 
     from extract.cli.extract import main
 

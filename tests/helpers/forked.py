@@ -59,6 +59,11 @@ def fork_run(args, before: Callable[[], None] | None = None, stderr=os.devnull) 
     return fork_wait(fork_start(args, before, stderr))
 
 
+def set_environment(**variables: str) -> Callable[[], None]:
+    """For ``before``: the child's environment (variables read at run time: the lock's, the paced model's)."""
+    return lambda: os.environ.update(variables)
+
+
 def die_on(target, name: str, nth: int = 1, when=lambda *a, **k: True) -> Callable[[], None]:
     """For ``before``: SIGKILL ourselves on the ``nth`` matching call of ``target.name``."""
     original = getattr(target, name)

@@ -1,5 +1,5 @@
-"""Small real-format data sets for the data-source tests: JPEG/PNG bytes, tar shards in the
-webdataset layout, Parquet files (plain bytes and Hugging Face's struct), and independent readers."""
+"""Small real-format data sets for the data-source tests: an ImageFolder tree of PNGs, JPEG/PNG bytes,
+tar shards in the webdataset layout, and independent readers."""
 
 import io
 import tarfile
@@ -8,7 +8,23 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from reference import preset
+
+from .reference import preset
+
+
+def make_png_tree(root: Path, classes: dict[str, int], seed: int = 0) -> list[tuple[Path, int]]:
+    """ImageFolder layout ROOT/CLASS/N.png with random RGB images of varied sizes; (path, label) each."""
+    rng = np.random.default_rng(seed)
+    files = []
+    for label, (name, count) in enumerate(sorted(classes.items())):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            h, w = rng.integers(36, 56, size=2)
+            pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+            path = root / name / f"{i:03d}.png"
+            Image.fromarray(pixels).save(path)
+            files.append((path, label))
+    return files
 
 
 def encoded_image(seed: int, fmt: str = "JPEG", size: tuple[int, int] | None = None) -> bytes:

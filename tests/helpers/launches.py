@@ -10,8 +10,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SEQUENCE = ROOT / "tests" / "job_sequence.py"
+from . import HELPERS, ROOT
+
+SEQUENCE = HELPERS / "job_sequence.py"
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Small models for tests, loaded through ``--model tests/tiny_models.py:NAME``."""
+"""Small models for tests, loaded through ``--model tests/helpers/tiny_models.py:NAME``."""
 
 import os
 import time

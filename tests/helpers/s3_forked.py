@@ -1,4 +1,4 @@
-"""Forked runs against a store on S3, run as a script of its own: ``python tests/s3_forked.py storm|race
+"""Forked runs against a store on S3, run as a script of its own: ``python tests/helpers/s3_forked.py storm|race
 PREFIX`` with the environment pointing at the S3 server (``S3Server.env()``) and ``S3_BUCKET``.
 
 Each run is forked from this process (torch is imported once), and killed at a chosen point. obstore's
@@ -27,6 +27,7 @@ exactly one runs, the other stops with one line naming the holder.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -34,28 +35,36 @@ import socket
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import zarr
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from faultproxy import FaultProxy  # noqa: E402
-from forked import die_after, die_on, fork_run, fork_start, fork_wait, started_together, the_one_that_ran  # noqa: E402
+# run as a script: its folder is sys.path[0]; the tests' folder takes its place, for ``helpers.X``
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from extract.store import object_lock, remote  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
+from helpers.cli import FAST_LOCK, SEEDED, TINY_JOB, one_line_error  # noqa: E402
+from helpers.faultproxy import FaultProxy  # noqa: E402
+from helpers.forked import (  # noqa: E402
+    die_after,
+    die_on,
+    fork_run,
+    fork_start,
+    fork_wait,
+    set_environment,
+    started_together,
+    the_one_that_ran,
+)  # fmt: skip
+from helpers.stores import assert_same_store  # noqa: E402
 
-TINY = HERE / "tiny_models.py"
-JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "--image-size", "32", "--num-workers", "0",
-       "--dtype", "float32", "--data", "synthetic:48", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
-ARRAYS = ("features/heads.conv", "labels", "valid", "keys")
 POINTS = int(os.environ.get("S3_STORM_POINTS", "10"))
 
 
-def _client():
+@functools.cache
+def _client():  # one for the script: a boto3 client takes a tenth of a second to make, and is thread-safe
     import boto3
 
     return boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1")
@@ -76,31 +85,28 @@ def keys(prefix: str) -> list[str]:
 
 def download(prefix: str, into: Path) -> Path:
     client = _client()
-    for key in keys(prefix):
+
+    def fetch(key: str) -> None:
         target = into / key
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(client.get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"].read())
+
+    # a request at a time took a third of the storm; the threads are gone before the next fork
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(fetch, keys(prefix)))
     return into
 
 
 def wipe(prefix: str) -> None:
-    client = _client()
-    for key in keys(prefix):
-        client.delete_object(Bucket=BUCKET, Key=f"{prefix}/{key}")
-    client.delete_object(Bucket=BUCKET, Key=f"{prefix}.lock")
+    names = [f"{prefix}/{key}" for key in keys(prefix)] + [f"{prefix}.lock"]
+    for start in range(0, len(names), 1000):  # DeleteObjects takes up to 1000 keys
+        objects = [{"Key": name} for name in names[start : start + 1000]]
+        _client().delete_objects(Bucket=BUCKET, Delete={"Objects": objects, "Quiet": True})
 
 
 def lock_exists(prefix: str) -> bool:
     listed = _client().list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}.lock")
     return any(o["Key"] == f"{prefix}.lock" for o in listed.get("Contents", []))
-
-
-def assert_same_store(got: Path, expected: Path) -> None:
-    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
-    assert a.attrs["status"] == "complete" and a["done"][:].all()
-    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
-    for name in ARRAYS:
-        np.testing.assert_array_equal(a[name][:], b[name][:], err_msg=name)
 
 
 def log_writes(log: Path, die_at: int | None = None):
@@ -174,17 +180,17 @@ def check_what_is_left(prefix: str, logged: list[str], scratch: Path) -> None:
 def storm(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-storm-"))
     reference = work / "ref.zarr"
-    assert fork_run([*JOB, "--out", reference]) == 0
+    assert fork_run([*TINY_JOB, "--out", reference]) == 0
     store = under(prefix, "storm.zarr")
     url = f"s3://{BUCKET}/{store}"
     whole = work / "whole.log"
-    assert fork_run([*JOB, "--out", url], before=log_writes(whole)) == 0, "the uninterrupted run failed"
+    assert fork_run([*TINY_JOB, "--out", url], before=log_writes(whole)) == 0, "the uninterrupted run failed"
     assert_same_store(download(store, work / "whole.zarr"), reference)
     writes = whole.read_text().splitlines()
     points = sorted(set(np.linspace(0, len(writes) - 1, POINTS).round().astype(int).tolist()))
 
     def rerun(name: str) -> None:
-        assert fork_run([*JOB, "--out", url]) == 0, f"the rerun after the kill at {name} failed"
+        assert fork_run([*TINY_JOB, "--out", url]) == 0, f"the rerun after the kill at {name} failed"
         assert_same_store(download(store, work / f"after-{name}.zarr"), reference)
         assert not lock_exists(store), f"the rerun after {name} left its lock"
 
@@ -192,7 +198,7 @@ def storm(prefix: str) -> None:
         name = f"write-{point}-of-{len(writes)}"
         wipe(store)
         log = work / f"{name}.log"
-        code = fork_run([*JOB, "--out", url], before=log_writes(log, die_at=point))
+        code = fork_run([*TINY_JOB, "--out", url], before=log_writes(log, die_at=point))
         assert code == -signal.SIGKILL, f"the kill at {name} did not land ({code})"
         logged = log.read_text().splitlines()
         assert len(logged) == point + 1, f"the kill at {name} landed at write {len(logged) - 1}"
@@ -201,7 +207,7 @@ def storm(prefix: str) -> None:
     for name, (before, overwrite) in TARGETED.items():
         if not overwrite:
             wipe(store)
-        args = [*JOB, "--out", url, *(["--overwrite"] if overwrite else [])]
+        args = [*TINY_JOB, "--out", url, *(["--overwrite"] if overwrite else [])]
         assert fork_run(args, before=before) == -signal.SIGKILL, f"the kill at {name} did not land"
         if overwrite:
             assert "zarr.json" not in keys(store), "an interrupted overwrite left a store that opens"
@@ -212,24 +218,21 @@ def storm(prefix: str) -> None:
 def race(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-race-"))
     url = f"s3://{BUCKET}/{under(prefix, 'race.zarr')}"
-    longer = [*JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
+    longer = [*TINY_JOB[:-6], "--data", "synthetic:400", "--chunk-size", "16", "--batch-size", "16"]
     jobs = {name: [*longer, "--out", url] for name in ("first", "second")}
     creating = lambda store, key, record, mode: mode == "create"  # noqa: E731 - the lock's conditional create
     results = started_together(jobs, object_lock, "_put", work, when=creating)
     winner, loser = the_one_that_ran(results)
     _, code, err = results[loser]
-    lines = [line for line in err.splitlines() if line.startswith("extract: error")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "being written by another job" in lines[0] and f"pid {results[winner][0]}" in lines[0], lines[0]
+    assert code == 2, err
+    line = one_line_error(err)
+    assert "being written by another job" in line and f"pid {results[winner][0]}" in line, line
     assert not lock_exists(under(prefix, "race.zarr"))
-    print(f"s3 race: {winner} ran; {loser}: {lines[0]}")
+    print(f"s3 race: {winner} ran; {loser}: {line}")
 
 
-# A runs on while B runs (longer); they differ in their seed, so B's store is not A's. The lock goes
-# stale after 1 s, and each of a job's requests gives up after max(5 s, a third of that): 5 s.
-SEEDED = ["--model", f"{TINY}:paced_by_seed", "--layers", "conv", "--image-size", "32", "--num-workers", "0",
-          "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4"]  # fmt: skip
-FAST_LOCK = {"EXTRACT_LOCK_HEARTBEAT": "0.2", "EXTRACT_LOCK_STALE_AFTER": "1"}
+# A runs on while B runs (longer); they differ in their seed (SEEDED), so B's store is not A's. The lock
+# goes stale after 1 s (FAST_LOCK), and each of a job's requests gives up after max(5 s, a third of that): 5 s.
 WRITE_TIMEOUT = 5.0
 
 
@@ -251,10 +254,6 @@ def _done(store: str) -> int:
     return sum(key.startswith("done/c/") for key in keys(store))
 
 
-def _environment(**variables: str):
-    return lambda: os.environ.update(variables)
-
-
 def paused(prefix: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="s3-paused-"))
     store = under(prefix, "paused.zarr")
@@ -262,7 +261,7 @@ def paused(prefix: str) -> None:
     a_err, b_err = work / "a.err", work / "b.err"
     with FaultProxy(os.environ["AWS_ENDPOINT_URL"]) as proxy:
         a = fork_start([*SEEDED, "--data", "synthetic:160", "--seed", "0", "--out", url],
-                       _environment(TINY_PACE="0.1", AWS_ENDPOINT_URL=proxy.endpoint, **FAST_LOCK), a_err)  # fmt: skip
+                       set_environment(TINY_PACE="0.1", AWS_ENDPOINT_URL=proxy.endpoint, **FAST_LOCK), a_err)  # fmt: skip
         try:
             _until(lambda: _done(store) >= 3, "A's first chunks")
             proxy.hold(lambda method, path: method == "GET" and path.split("?")[0].endswith(f"/{store}/zarr.json"))
@@ -271,7 +270,7 @@ def paused(prefix: str) -> None:
             paused_at = time.time()
             _until(lambda: time.time() - _lock(store).get("time", time.time()) > 1.1, "A's lock going stale")
             b = fork_start([*SEEDED, "--data", "synthetic:64", "--seed", "1", "--out", url, "--overwrite"],
-                           _environment(TINY_PACE="0.5", **FAST_LOCK), b_err)  # fmt: skip
+                           set_environment(TINY_PACE="0.5", **FAST_LOCK), b_err)  # fmt: skip
             _until(lambda: _lock(store).get("pid") == b and _done(store) >= 2, "B's first chunks")
             time.sleep(max(0.0, paused_at + WRITE_TIMEOUT + 0.5 - time.time()))  # A's request has timed out
             os.kill(a, signal.SIGCONT)
@@ -283,12 +282,12 @@ def paused(prefix: str) -> None:
                 os.kill(a, signal.SIGCONT)
             proxy.release()
     err = a_err.read_text()
-    lines = [line for line in err.splitlines() if line.startswith("extract: error")]
-    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    assert f"lost the lock on --out {url}" in lines[0] and "marked nothing more" in lines[0], lines[0]
+    assert code == 1, err[-3000:]
+    line = one_line_error(err)
+    assert f"lost the lock on --out {url}" in line and "marked nothing more" in line, line
     b_running = reaped == (0, 0)
     if b_running:  # A read B's lock to say whose the store is (once B is done, its lock is gone)
-        assert f"to another job (host {socket.gethostname()}, pid {b})" in lines[0], lines[0]
+        assert f"to another job (host {socket.gethostname()}, pid {b})" in line, line
         assert _lock(store).get("pid") == b, "A must leave B's lock alone"
     b_code = fork_wait(b) if b_running else os.waitstatus_to_exitcode(reaped[1])
     assert b_code == 0, b_err.read_text()[-3000:]
@@ -296,7 +295,7 @@ def paused(prefix: str) -> None:
     assert group.attrs["status"] == "complete" and group["done"][:].all() and group["done"].shape == (16,)
     assert [run["status"] for run in group.attrs["runs"]] == ["complete"]
     assert not lock_exists(store)
-    print(f"s3 paused holder: {lines[0]}")
+    print(f"s3 paused holder: {line}")
 
 
 if __name__ == "__main__":

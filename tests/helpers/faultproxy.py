@@ -1,5 +1,5 @@
 """A fault-injecting HTTP proxy on loopback, between an object-storage client (obstore) and moto's S3
-server (``tests/s3.py``), for the tests of retries and for counting requests in the benchmarks.
+server (``tests/helpers/s3.py``), for the tests of retries and for counting requests in the benchmarks.
 
 The client is pointed at the proxy (``AWS_ENDPOINT_URL=http://127.0.0.1:PORT``) and the proxy forwards
 each request to the server, one request at a time over one upstream connection per client connection
@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from s3 import S3Server
+
+from .s3 import S3Server
 
 Match = Callable[[str, str], bool]  # (method, path) -> whether a fault applies to the request
 MODES = ("reset", "503", "hold")

@@ -1,5 +1,5 @@
 """Stores for probe / compare / report tests: from arrays (controlled data), and keys + classes
-written into array stores (the CLI writes its own)."""
+written into array stores (the CLI writes its own); and the check that a rerun gave the same store."""
 
 from pathlib import Path
 
@@ -7,6 +7,8 @@ import numpy as np
 import zarr
 
 from extract.store.store import FeatureStore
+
+TINY_ARRAYS = ("features/heads.conv", "labels", "valid", "keys")  # what ``cli.TINY_JOB`` writes per sample
 
 
 def array_store(
@@ -42,3 +44,12 @@ def add_keys(path: Path, keys: list[str], classes: list[str] | None = None) -> N
     array[:] = np.array(keys, dtype=object)
     if classes is not None:
         group.attrs["classes"] = classes
+
+
+def assert_same_store(got: str | Path, expected: str | Path, arrays: tuple[str, ...] = TINY_ARRAYS) -> None:
+    """``got`` is complete, of the same job as ``expected``, and holds the same ``arrays``."""
+    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
+    assert a.attrs["status"] == "complete" and a["done"][:].all()
+    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
+    for name in arrays:
+        np.testing.assert_array_equal(a[name][:], b[name][:], err_msg=name)
