@@ -11,10 +11,9 @@ import shutil
 
 import numpy as np
 import pytest
-import tiny_models
 import torch
 import zarr
-from helpers import TINY
+from helpers import TINY, tiny_models
 from helpers.reference import reference, synthetic_images
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 

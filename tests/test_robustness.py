@@ -10,10 +10,9 @@ import time
 
 import numpy as np
 import pytest
-import tiny_models
 import torch
 import zarr
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, tiny_models
 from helpers.cli import SMALL, one_line_error
 from helpers.data_files import make_png_tree
 from helpers.forked import fork_run, fork_start, fork_wait
