@@ -5,8 +5,9 @@ Every ```python block of README.md and of docs/*.md runs here, each in a fresh n
 holding the stores it reads. Those stores are made first by the pages' own commands (the first indented
 command that writes each ``--out``, looked for in README.md, then in docs/*.md by name), made small:
 ``--data synthetic:64 --image-size 32 --num-workers 0``, and tiny local text models standing in for
-``hf:/models/gpt2`` and ``hf:/models/minilm`` (as many layers as the commands name, so their layer names
-stay the pages'). The store on S3 goes to moto's server (``tests/helpers/s3.py``) in the pages' bucket. A block
+``hf:/models/gpt2``, its fine-tune ``hf:/models/gpt2-chat`` and ``hf:/models/minilm`` (as many layers as the
+commands name, so their layer names stay the pages'), and a tiny SAELens SAE at each path a ``--sae LAYER=PATH``
+names. The store on S3 goes to moto's server (``tests/helpers/s3.py``) in the pages' bucket. A block
 whose first line is ``# not run by tests/test_readme.py: REASON`` is skipped, saying REASON; any other
 block that raises fails its test, naming its page and line.
 """
@@ -25,7 +26,8 @@ README = ROOT / "README.md"
 PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))  # README first: its commands are the ones used
 NOT_RUN = "# not run by tests/test_readme.py:"
 S3_STORE = "s3://features/demo.zarr"
-LOCAL_STORES = ("demo.zarr", "tokens.zarr", "docs.zarr", "packed.zarr")
+LOCAL_STORES = ("demo.zarr", "tokens.zarr", "docs.zarr", "packed.zarr", "a.zarr", "b.zarr", "codes.zarr")
+WIDTH, D_SAE = 16, 128  # the tiny models' width; latents up to 127 (the pages read latent 123)
 
 
 def python_blocks() -> list[tuple[str, int, str]]:
@@ -73,24 +75,49 @@ def small(args: list[str], models: dict[str, Path]) -> list[str]:
 
 
 def tiny_text_models(root: Path) -> dict[str, Path]:
-    """Stand-ins for the README's ``hf:/models/gpt2`` (12 blocks: ``hidden_states.12`` exists) and
-    ``hf:/models/minilm`` (6 layers, as all-MiniLM-L6), with 16-wide layers and random weights."""
+    """Stand-ins for the README's ``hf:/models/gpt2`` (12 blocks: ``hidden_states.12`` exists), a fine-tune
+    of it with the same tokenizer, ``hf:/models/gpt2-chat`` (other weights), and ``hf:/models/minilm``
+    (6 layers, as all-MiniLM-L6), with 16-wide layers and random weights."""
     import torch
     import transformers as tf
 
     torch.manual_seed(0)
-    gpt2, minilm = root / "gpt2", root / "minilm"
+    gpt2, chat, minilm = root / "gpt2", root / "gpt2-chat", root / "minilm"
     tokenizer = gpt2_tokenizer()
-    config = tf.GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=16, n_layer=12, n_head=2,
+    config = tf.GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=WIDTH, n_layer=12, n_head=2,
                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    tf.GPT2LMHeadModel(config).eval().save_pretrained(gpt2)
-    tokenizer.save_pretrained(gpt2)
+    for directory in (gpt2, chat):  # one tokenizer, saved twice: the stores' tokenizer digests agree
+        tf.GPT2LMHeadModel(config).eval().save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
     tokenizer = bert_tokenizer()
-    config = tf.BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=6, num_attention_heads=2,
+    config = tf.BertConfig(vocab_size=len(tokenizer), hidden_size=WIDTH, num_hidden_layers=6, num_attention_heads=2,
                            intermediate_size=32, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     tf.BertModel(config).eval().save_pretrained(minilm)
     tokenizer.save_pretrained(minilm)
-    return {"hf:/models/gpt2": gpt2, "hf:/models/minilm": minilm}
+    return {"hf:/models/gpt2": gpt2, "hf:/models/gpt2-chat": chat, "hf:/models/minilm": minilm}
+
+
+def tiny_saes(args: list[str]) -> None:
+    """A SAELens SAE (``d_in`` the tiny models' width, random non-zero weights) saved at every PATH of the
+    command's ``--sae LAYER=PATH ...``, its ``hook_name`` LAYER."""
+    import sae_lens
+    import torch
+    from sae_lens.saes.sae import SAEMetadata
+
+    if "--sae" not in args:
+        return
+    specs = args[args.index("--sae") + 1 :]
+    specs = specs[: next((i for i, a in enumerate(specs) if a.startswith("--")), len(specs))]
+    generator = torch.Generator().manual_seed(1)
+    for spec in specs:
+        layer, path = spec.split("=", 1)
+        sae = sae_lens.StandardSAE(
+            sae_lens.StandardSAEConfig(d_in=WIDTH, d_sae=D_SAE, metadata=SAEMetadata(hook_name=layer))
+        )
+        with torch.no_grad():  # not the initialisation's zeros: every latent can fire
+            for parameter in sae.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        sae.save_model(path)
 
 
 def run_command(args: list[str]) -> None:
@@ -117,7 +144,9 @@ def stores(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)  # the commands' relative paths (corpus/*.jsonl, demo.zarr) are the README's
         for out in LOCAL_STORES:
-            run_command(small(readme_command(out), models))
+            args = small(readme_command(out), models)
+            tiny_saes(args)
+            run_command(args)
     return root, models
 
 

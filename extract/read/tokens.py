@@ -461,7 +461,8 @@ class TokenStream(IterableDataset):
 
     def _item(self, values: list[torch.Tensor], rows: np.ndarray) -> Batch | tuple[Batch, torch.Tensor]:
         batch: Batch
-        values = [self._sparse(s, v) if s.codes else v for s, v in zip(self.sources, values, strict=True)]
+        if not self.stack:  # stacked, the window is one dense (rows, sources, D) tensor: stack=True refuses codes
+            values = [self._sparse(s, v) if s.codes else v for s, v in zip(self.sources, values, strict=True)]
         if self.stack or self.single:
             batch = values[0]
         else:
