@@ -212,7 +212,7 @@ def test_a_name_without_a_tensor_is_one_line_naming_the_closest(kind, layer, mes
 
 
 def test_a_model_without_the_names_says_which_have_them():
-    from reference import resnet18
+    from helpers.reference import resnet18
 
     with pytest.raises(ExtractError) as error:
         resolve_layers(resnet18(), ["blocks.0.hook_resid_pre"])
