@@ -14,7 +14,6 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..analysis.export import export_saelens
 from ..errors import ExtractError
 from .base import Parser, command
 
@@ -50,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind, out = args.to
     if kind not in FORMATS:
         raise ExtractError(f"--to {kind}: the formats are {', '.join(FORMATS)} (see --help)")
+    from ..analysis.export import export_saelens  # torch: after the arguments, not for --help
+
     cache = export_saelens(
         args.store,
         out,

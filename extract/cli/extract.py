@@ -165,10 +165,10 @@ EXTRACTION_FAILURES: dict[type[BaseException], Failure] = {
 
 @command("extract", EXTRACTION_FAILURES)
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..job.runner import print_layers, run
-
     try:
         spec, only_list = parse_spec(sys.argv[1:] if argv is None else argv)
+        from ..job.runner import print_layers, run  # torch and the sources: not for --help or a bad flag
+
         if only_list:
             print_layers(spec)
         else:

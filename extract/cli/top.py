@@ -14,8 +14,6 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..analysis.top_latents import HTML_LATENTS, top_latents
-from ..read.features import open_features
 from .base import Parser, command
 
 
@@ -46,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--html-latents",
         type=_latents,
         metavar="I,J,...",
-        help=f"the latents top.html shows (default: the {HTML_LATENTS} most frequent)",
+        help="the latents top.html shows (default: the 8 most frequent)",
     )
     p.add_argument("--tokenizer", help="decode with this tokenizer (name or directory; default: the store's own)")
     return p
@@ -55,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 @command("extract.top")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..analysis.top_latents import top_latents  # torch: after the arguments, not for --help
+    from ..read.features import open_features
+
     summary = top_latents(
         open_features(args.store),
         args.layer,

@@ -14,10 +14,6 @@ from pathlib import Path
 
 from ..errors import StoreDamagedError
 from ..store.location import parse
-from ..store.locking import check_unlocked, lock_for
-from ..store.paths import real_path
-from ..store.store import FeatureStore
-from ..store.verify import repair, verify
 from .base import command
 
 
@@ -35,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
 @command("extract.verify")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..store.locking import check_unlocked, lock_for  # zarr and torch: not for --help
+    from ..store.paths import real_path
+    from ..store.store import FeatureStore
+    from ..store.verify import repair, verify
+
     location = parse(args.store)  # a malformed URL is one line (exit 2)
     target: Path | str
     if location.remote:  # its lock is an object beside it, made of conditional writes

@@ -14,11 +14,11 @@ import torch
 from PIL import Image, ImageOps
 
 from ..errors import ExtractError
+from ..names import DECODES
 
 RawImage = bytes | Image.Image | torch.Tensor
 Transform = Callable[[Any], torch.Tensor]
 
-DECODES = ("pil", "draft", "nvjpeg")  # --decode: PIL in full, PIL at a reduced JPEG scale, nvjpeg on the GPU
 JPEG_MAGIC = b"\xff\xd8\xff"
 
 

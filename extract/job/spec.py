@@ -12,10 +12,9 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from ..data.decode import DECODES
 from ..errors import ExtractError
+from ..names import COMPRESSORS, DECODES
 from ..store.location import Location, parse
-from ..store.schema import COMPRESSORS, codecs
 
 DTYPES = ("float16", "bfloat16", "float32")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -115,6 +114,8 @@ def _sae(flag: str, value: list[str]) -> None:
 
 
 def _compressor(flag: str, value: str) -> None:
+    from ..store.schema import codecs  # zarr: loaded when a job is checked, not for --help
+
     codecs(value)  # an unknown one is refused by name
 
 

@@ -17,7 +17,12 @@ import numpy as np
 from .layers import LayerRef, closest, matches_glob, shape_text
 from .layout import Layout
 
-__all__ = ["Kind", "LayerRef", "Layout", "PackInfo", "closest", "matches_glob", "shape_text"]
+__all__ = ["COMPRESSORS", "DECODES", "Kind", "LayerRef", "Layout", "PackInfo", "closest", "matches_glob", "shape_text"]
+
+# Option values the job's spec lists and the stage that acts on them checks: here, so that building the
+# command's parser imports neither the data sources nor zarr.
+DECODES = ("pil", "draft", "nvjpeg")  # --decode: PIL in full, PIL at a reduced JPEG scale, nvjpeg on the GPU
+COMPRESSORS = ("zstd", "blosc", "bitshuffle", "none")  # --compressor
 
 
 class Kind(StrEnum):

@@ -18,13 +18,13 @@ import numpy as np
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from ..errors import ExtractError
+from ..names import COMPRESSORS
 
 FORMAT = "extract-features"
 # 2: every object has a crc32c checksum; 3: a done chunk's objects' checksums are recorded in ``digests``,
 # and the identity attributes' digests in ``identity_sha256``
 FORMAT_VERSION = 3
 KNOWN_FORMAT_VERSIONS = (1, 2, 3)
-COMPRESSORS = ("zstd", "blosc", "bitshuffle", "none")
 # numpy's variable-width strings: zarr writes them 3x faster than fixed-width "<U" (numpy >= 2)
 STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
 # the identity's fields a reader most often wants, copied to the top level of the attributes
