@@ -307,3 +307,28 @@ def test_codes_a_job_stored_read_back_and_rank_as_numpy_says(one, tmp_path):
         got = table[table.latent == latent].sort_values("rank")
         assert got.row.tolist() == want, latent
         np.testing.assert_array_equal(got.activation.to_numpy(), column[want])
+
+
+def test_a_damaged_codes_chunk_is_found_repaired_and_recomputed(corpus, one, tmp_path, capsys):
+    """A flipped byte in a chunk of the codes: ``verify`` names it, ``--repair`` clears that chunk's
+    ``done``, and the rerun of the same job writes the bytes of the undamaged store again."""
+    import shutil
+
+    from extract.cli.extract import main as extract_main
+    from extract.cli.verify import main as verify_main
+
+    out = tmp_path / "damaged.zarr"
+    shutil.copytree(one / "topk.zarr", out)
+    chunk = out / "latents" / HOOK / "values" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert verify_main([str(out)]) != 0
+    found = capsys.readouterr()
+    assert f"latents/{HOOK}/values" in found.out + found.err
+    assert verify_main([str(out), "--repair"]) == 1  # damage was found (and its done cleared)
+    assert not zarr.open_group(out, mode="r")["done"][1]
+    capsys.readouterr()
+    assert extract_main(_job(corpus, out, "topk", *RAGGED)) == 0
+    _assert_same_bytes(out, one / "topk.zarr")
+    assert verify_main([str(out)]) == 0
