@@ -332,3 +332,17 @@ def test_a_damaged_codes_chunk_is_found_repaired_and_recomputed(corpus, one, tmp
     assert extract_main(_job(corpus, out, "topk", *RAGGED)) == 0
     _assert_same_bytes(out, one / "topk.zarr")
     assert verify_main([str(out)]) == 0
+
+
+def test_codes_on_s3_are_the_bytes_of_the_codes_on_disk(corpus, one, s3):
+    """The same job with ``--out`` on S3 (moto's server): every array, the codes and their statistics
+    among them, equals the store on disk, and ``features.latents`` reads them back from there."""
+    from extract import open_features
+    from extract.cli.extract import main as extract_main
+    from extract.store.location import open_store
+
+    url = s3.url("codes.zarr")
+    assert extract_main(_job(corpus, url, "topk", *RAGGED)) == 0
+    _assert_same_bytes(open_store(url, read_only=True), one / "topk.zarr")
+    local = open_features(one / "topk.zarr").latents(HOOK).toarray()
+    np.testing.assert_array_equal(open_features(url).latents(HOOK).toarray(), local)
