@@ -16,6 +16,7 @@ from helpers import ROOT
 from helpers.cli import run_cli
 from helpers.data_files import write_shards
 from helpers.launches import Sequence, free_port, launcher, rank_pids
+from helpers.stores import assert_same_features
 
 from extract import open_features
 
@@ -30,18 +31,6 @@ def single_process_store(cli, tmp_path, n, chunk, batch):
     code, _, err = cli(*COMMON, "--data", f"synthetic:{n}", "--chunk-size", chunk, "--batch-size", batch, "--out", out)
     assert code == 0, err
     return out
-
-
-def assert_same_store(got, expected):
-    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
-    assert a.attrs["status"] == "complete"
-    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
-    for layer in ("layer2", "layer4"):
-        x, y = a[f"features/{layer}"][:], b[f"features/{layer}"][:]
-        assert not np.isnan(x).any(), "every sample present"
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
-    np.testing.assert_array_equal(a["labels"][:], b["labels"][:])
-    assert a["done"][:].all()
 
 
 CASES = [
@@ -141,7 +130,7 @@ def test_ranks_share_the_work_exactly_once(cli, tmp_path, request, processes, n,
     expected = single_process_store(cli, tmp_path, n, chunk, batch)
     statuses, stderr, out = launched(request, processes, n, chunk, batch)
     assert set(statuses) == {0}, stderr[-3000:]
-    assert_same_store(out, expected)
+    assert_same_features(out, expected)
     run = zarr.open_group(out, mode="r").attrs["runs"][-1]
     num_chunks = -(-n // chunk)
     assert run["world_size"] == processes
@@ -171,7 +160,7 @@ def test_two_machines_on_loopback(cli, tmp_path):
         )
     outputs = [m.communicate(timeout=300) for m in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert_same_store(out, expected)
+    assert_same_features(out, expected)
     run = zarr.open_group(out, mode="r").attrs["runs"][-1]
     assert run["world_size"] == 2 and run["chunks_per_rank"] == [3, 3]
 
@@ -222,7 +211,7 @@ def test_sigkill_a_rank_then_resume_with_another_number_of_ranks(cli, tmp_path, 
     assert len(runs) == 2 and runs[0]["status"] in ("interrupted", "killed") and runs[1]["world_size"] == 3
     assert sum(runs[1]["chunks_per_rank"]) == chunks - finished
     expected = shards_store(cli, tmp_path, *killed_args(many_shards))
-    assert_same_store(out, expected)
+    assert_same_features(out, expected)
     assert_same_samples(open_features(out), open_features(expected))
 
 
