@@ -14,6 +14,7 @@ import pytest
 import torch
 import zarr
 from helpers import TINY, tiny_models
+from helpers.cli import one_line_error
 from helpers.reference import reference, synthetic_images
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
@@ -32,12 +33,6 @@ def bits(values) -> torch.Tensor:
     """The bfloat16 rounding of ``values`` (numpy or torch), as its bits."""
     tensor = torch.as_tensor(values)
     return tensor.to(torch.bfloat16).view(torch.int16)
-
-
-def one_line_error(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
 
 
 def test_the_cast_check_agrees_with_torchs_own_rounding():

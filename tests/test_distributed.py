@@ -1,4 +1,7 @@
-"""Multi-process runs under `accelerate launch` on CPU (gloo), in subprocesses: exactly once, resume."""
+"""Multi-process runs under `accelerate launch` on CPU (gloo), in subprocesses: exactly once, resume; and
+tar shards with several ranks (the index split across ranks, every sample exactly once, a resume after
+SIGKILL with another number of ranks that reuses the index kept in the store). One 2-rank launch and one
+3-rank launch serve the module: starting one costs more than its small jobs."""
 
 import os
 import signal
@@ -11,7 +14,11 @@ import pytest
 import zarr
 from helpers import ROOT
 from helpers.cli import run_cli
+from helpers.data_files import write_shards
 from helpers.launches import Sequence, free_port, launcher, rank_pids
+from helpers.stores import assert_same_features
+
+from extract import open_features
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +33,6 @@ def single_process_store(cli, tmp_path, n, chunk, batch):
     return out
 
 
-def assert_same_store(got, expected):
-    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
-    assert a.attrs["status"] == "complete"
-    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
-    for layer in ("layer2", "layer4"):
-        x, y = a[f"features/{layer}"][:], b[f"features/{layer}"][:]
-        assert not np.isnan(x).any(), "every sample present"
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
-    np.testing.assert_array_equal(a["labels"][:], b["labels"][:])
-    assert a["done"][:].all()
-
-
 CASES = [
     (1, 1, 4, 3),  # N = 1
     (2, 13, 4, 3),  # N not divisible by C, batches straddle chunks
@@ -45,8 +40,25 @@ CASES = [
     (3, 17, 4, 4),  # N = K*C + 1
     (2, 3, 8, 2),  # N < C
 ]
-KILLED_N, KILLED_CHUNK = 160, 4
-KILLED = [*COMMON, "--data", f"synthetic:{KILLED_N}", "--chunk-size", "4", "--batch-size", "4"]
+# The job a rank is killed in: tar shards, so that the resume also shows it reuses the shard index
+KILLED_N, KILLED_CHUNK = 120, 3
+SHARDS = [37, 5, 1, 50, 27]  # 120 samples; chunk 3 divides none of 37, 5, 1, 50
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("many")
+    write_shards(root, SHARDS)
+    return root
+
+
+def killed_args(shards):
+    return [*COMMON, "--data", f"wds:{shards}", "--chunk-size", KILLED_CHUNK, "--batch-size", KILLED_CHUNK]
+
+
+def shards_args(shards):
+    """The whole job over the shards that 3 ranks run (chunks of 7)."""
+    return [*COMMON, "--data", f"wds:{shards}", "--chunk-size", "7", "--batch-size", "4"]
 
 
 def case_args(n, chunk, batch):
@@ -58,15 +70,15 @@ def case_name(processes, n, chunk, batch):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One launch of 2 ranks for the module: the 2-rank cases, then a longer job of which a rank is
-    SIGKILLed once 6 chunks are done (resumed by ``three_ranks``). Returns the sequence and what the
-    kill left: the launcher's exit status and the store's status and done count."""
+def two_ranks(tmp_path_factory, many_shards):
+    """One launch of 2 ranks for the module: the 2-rank cases, then a longer job over the shards of which a
+    rank is SIGKILLed once 6 chunks are done (resumed by ``three_ranks``). Returns the sequence and what
+    the kill left: the launcher's exit status and the store's status and done count."""
     folder = tmp_path_factory.mktemp("two-ranks")
     jobs = {case_name(*case): [*case_args(*case[1:]), "--out", folder / f"{case_name(*case)}.zarr"]
             for case in CASES if case[0] == 2}  # fmt: skip
     killed = folder / "killed.zarr"
-    sequence = Sequence(2, {**jobs, "killed": [*KILLED, "--out", killed]}, folder)
+    sequence = Sequence(2, {**jobs, "killed": [*killed_args(many_shards), "--out", killed]}, folder)
     job = sequence.start()
     deadline = time.time() + 300
     while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6):
@@ -83,12 +95,14 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def three_ranks(tmp_path_factory, two_ranks):
-    """One launch of 3 ranks for the module: the 3-rank cases, then the resume of the killed store."""
+def three_ranks(tmp_path_factory, two_ranks, many_shards):
+    """One launch of 3 ranks for the module: the 3-rank cases, the whole job over the shards, then the
+    resume of the killed store."""
     folder = tmp_path_factory.mktemp("three-ranks")
     jobs = {case_name(*case): [*case_args(*case[1:]), "--out", folder / f"{case_name(*case)}.zarr"]
             for case in CASES if case[0] == 3}  # fmt: skip
-    jobs["resume"] = [*KILLED, "--out", two_ranks[0].folder / "killed.zarr"]
+    jobs["shards"] = [*shards_args(many_shards), "--out", folder / "shards.zarr"]
+    jobs["resume"] = [*killed_args(many_shards), "--out", two_ranks[0].folder / "killed.zarr"]
     sequence = Sequence(3, jobs, folder)
     launch = sequence.run()
     return sequence, launch.returncode, launch.stderr
@@ -116,7 +130,7 @@ def test_ranks_share_the_work_exactly_once(cli, tmp_path, request, processes, n,
     expected = single_process_store(cli, tmp_path, n, chunk, batch)
     statuses, stderr, out = launched(request, processes, n, chunk, batch)
     assert set(statuses) == {0}, stderr[-3000:]
-    assert_same_store(out, expected)
+    assert_same_features(out, expected)
     run = zarr.open_group(out, mode="r").attrs["runs"][-1]
     num_chunks = -(-n // chunk)
     assert run["world_size"] == processes
@@ -146,14 +160,40 @@ def test_two_machines_on_loopback(cli, tmp_path):
         )
     outputs = [m.communicate(timeout=300) for m in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    assert_same_store(out, expected)
+    assert_same_features(out, expected)
     run = zarr.open_group(out, mode="r").attrs["runs"][-1]
     assert run["world_size"] == 2 and run["chunks_per_rank"] == [3, 3]
 
 
-def test_sigkill_a_rank_then_resume(cli, tmp_path, two_ranks, three_ranks):
-    """A rank of a 2-rank job SIGKILLed after 6 done chunks (in ``two_ranks``), then the same job
-    resumed by 3 ranks (in ``three_ranks``)."""
+def shards_store(cli, tmp_path, *args):
+    """The job ``args`` in this process, into a store of its own."""
+    out = tmp_path / "single-shards.zarr"
+    code, _, err = cli(*args, "--out", out)
+    assert code == 0, err
+    return out
+
+
+def assert_same_samples(got, expected):
+    """The same keys and labels in the same order, and the same features, as the single-process store."""
+    assert got.complete
+    assert got.keys.tolist() == expected.keys.tolist()
+    assert got.labels.tolist() == expected.labels.tolist()
+    np.testing.assert_allclose(got.load("layer2"), expected.load("layer2"), rtol=0, atol=1e-5)
+
+
+def test_three_ranks_over_shards_equal_one(cli, tmp_path, many_shards, three_ranks):
+    expected = shards_store(cli, tmp_path, *shards_args(many_shards))
+    sequence, returncode, stderr = three_ranks
+    result = sequence.result("shards")
+    assert returncode == 0 and result.codes == [0, 0, 0], stderr[-3000:] + result.stderr[-3000:]
+    got = open_features(sequence.folder / "shards.zarr")
+    assert_same_samples(got, open_features(expected))
+    assert got.attrs["runs"][-1]["world_size"] == 3
+
+
+def test_sigkill_a_rank_then_resume_with_another_number_of_ranks(cli, tmp_path, many_shards, two_ranks, three_ranks):
+    """A rank of a 2-rank job over the shards SIGKILLed after 6 done chunks (in ``two_ranks``), then the
+    same job resumed by 3 ranks (in ``three_ranks``), reusing the shard index the store keeps."""
     chunks = KILLED_N // KILLED_CHUNK
     sequence, kill = two_ranks
     assert kill["returncode"] != 0
@@ -163,14 +203,16 @@ def test_sigkill_a_rank_then_resume(cli, tmp_path, two_ranks, three_ranks):
     resumed, returncode, stderr = three_ranks
     result = resumed.result("resume")
     assert returncode == 0 and result.codes == [0, 0, 0], stderr[-3000:] + result.stderr[-3000:]
+    assert "using the shard index kept in" in result.stderr  # the resume did not rescan the shards
     assert f"{finished} of {chunks} chunks already done" in result.stderr
     assert f"{chunks - finished} chunks written, {finished} reused" in result.stderr
     out = sequence.folder / "killed.zarr"
     runs = zarr.open_group(out, mode="r").attrs["runs"]
     assert len(runs) == 2 and runs[0]["status"] in ("interrupted", "killed") and runs[1]["world_size"] == 3
     assert sum(runs[1]["chunks_per_rank"]) == chunks - finished
-    expected = single_process_store(cli, tmp_path, KILLED_N, KILLED_CHUNK, 4)
-    assert_same_store(out, expected)
+    expected = shards_store(cli, tmp_path, *killed_args(many_shards))
+    assert_same_features(out, expected)
+    assert_same_samples(open_features(out), open_features(expected))
 
 
 def test_mismatched_rerun_is_refused_and_overwrite_starts_afresh(cli, tmp_path):

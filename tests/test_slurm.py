@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import zarr
 from helpers import ROOT
-from test_distributed import assert_same_store
+from helpers.stores import assert_same_features
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -246,7 +246,7 @@ def test_sbatch_the_shipped_script_on_a_cpu_node(cluster, tmp_path):
     assert info["JobState"] == "COMPLETED", output[-3000:]
     assert f"1 node(s) x {PROCESSES} process(es)" in output
     assert "5 chunks written, 0 reused" in output
-    assert_same_store(out, expected)
+    assert_same_features(out, expected)
     assert zarr.open_group(out, mode="r").attrs["runs"][-1]["world_size"] == PROCESSES
 
 
@@ -276,7 +276,7 @@ def test_scancel_term_then_requeue_resumes(cluster, tmp_path, paced_reference):
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", output[-3000:]
     assert f"{finished} of {PACED_CHUNKS} chunks already done" in output
     assert f"{PACED_CHUNKS - finished} chunks written, {finished} reused" in output
-    assert_same_store(out, paced_reference)
+    assert_same_features(out, paced_reference)
 
 
 def test_time_limit_signal_stops_the_job_in_time_and_a_resubmission_completes(cluster, tmp_path, paced_reference):
@@ -309,4 +309,4 @@ def test_time_limit_signal_stops_the_job_in_time_and_a_resubmission_completes(cl
     output = log.read_text()
     assert info["JobState"] == "COMPLETED", output[-3000:]
     assert f"{PACED_CHUNKS - finished} chunks written, {finished} reused" in output
-    assert_same_store(out, paced_reference)
+    assert_same_features(out, paced_reference)

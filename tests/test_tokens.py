@@ -1,62 +1,21 @@
 """Per-token and per-document stores of text models, end to end through the CLI, against transformers
-run on each document alone (the models and tokenizers are made here: tests/helpers/text_models.py)."""
+run on each document alone (the models and tokenizers are made here: tests/helpers/text_models.py).
+The token jobs under 2 and 3 processes share the launches of test_same_bytes.py."""
 
 import json
-import os
-import signal
-import time
-import uuid
 
 import numpy as np
 import pytest
 import torch
-from helpers.launches import Sequence, rank_pids
-from helpers.s3 import s3_server_or_none
-from helpers.text_models import real_documents, save_text_model, write_jsonl
+from helpers.text_jobs import CONTEXT, HIDDEN, LAYERS, close, token_corpus, token_job
+from helpers.text_models import real_documents, write_jsonl
 
 from extract import open_features
-
-CONTEXT = 96  # a few of the real documents are longer: truncation is exercised
-LAYERS = {
-    "gpt2": ["transformer.h.0", "hidden_states.3", "lm_head"],
-    "llama": ["model.layers.1", "hidden_states.0"],
-    "bert": ["encoder.layer.0", "hidden_states.3"],
-}
-# (stored layer, index into output_hidden_states) where the alias or module is a hidden state
-HIDDEN = {
-    "gpt2": {"transformer.h.0": 1, "hidden_states.3": 3},
-    "llama": {"model.layers.1": 2, "hidden_states.0": 0},
-    "bert": {"encoder.layer.0": 1, "hidden_states.3": 3},
-}
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    documents = [*real_documents(23), ""]  # an empty document is stored empty
-    labels = [i % 3 for i in range(len(documents))]
-    write_jsonl(root / "docs.jsonl", documents, label=labels)
-    models = {kind: save_text_model(kind, root / kind) for kind in ("gpt2", "llama", "bert")}
-    return root, documents, labels, models
-
-
-def _job(corpus, kind, out, *extra):
-    root, _, _, models = corpus
-    return [
-        "--model", f"hf:{models[kind]}", "--layers", *LAYERS[kind], "--data", f"text:{root / 'docs.jsonl'}",
-        "--label-key", "label", "--dtype", "float32", "--context-length", str(CONTEXT), "--out", str(out), *extra,
-    ]  # fmt: skip
-
-
-PACK = 48
-
-
-def _packed_job(corpus, kind, out, *extra):
-    root, _, _, models = corpus
-    return [
-        "--model", f"hf:{models[kind]}", "--layers", *LAYERS[kind], "--data", f"text:{root / 'docs.jsonl'}",
-        "--dtype", "float32", "--pack", str(PACK), "--out", str(out), *extra,
-    ]  # fmt: skip
+    return token_corpus(tmp_path_factory.mktemp("text"))
 
 
 def _alone(model_dir, kind, document):
@@ -78,20 +37,15 @@ def gpt2_reference(corpus, tmp_path_factory):
     from extract.cli.extract import main
 
     out = tmp_path_factory.mktemp("ref") / "ref.zarr"
-    assert main(_job(corpus, "gpt2", out)) == 0
+    assert main(token_job(corpus, "gpt2", out)) == 0
     return out
-
-
-def _close(a, b, tol=1e-4):
-    scale = max(1.0, float(np.abs(b).max())) if b.size else 1.0
-    return float(np.abs(a - b).max() / scale) <= tol if a.size else a.shape == b.shape
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
     root, documents, labels, models = corpus
     out = tmp_path / f"{kind}.zarr"
-    code, _, err = cli(*_job(corpus, kind, out))
+    code, _, err = cli(*token_job(corpus, kind, out))
     assert code == 0, err
     assert "truncated" in err
     # GPT-2 adds no special tokens, so the empty document has none; Llama's has BOS, BERT's CLS and SEP
@@ -118,9 +72,9 @@ def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
         assert f.token_ids[rows].tolist() == ids.tolist(), i
         assert f.special[rows].tolist() == special.tolist(), i
         for layer, number in HIDDEN[kind].items():
-            assert _close(f.document(i, layer), out_alone.hidden_states[number][0].numpy()), (i, layer)
+            assert close(f.document(i, layer), out_alone.hidden_states[number][0].numpy()), (i, layer)
         if kind == "gpt2":
-            assert _close(f.document(i, "lm_head"), out_alone.logits[0].numpy()), i
+            assert close(f.document(i, "lm_head"), out_alone.logits[0].numpy()), i
     if kind == "llama":  # BOS flagged special, once per document
         starts = f.offsets[:-1][np.diff(f.offsets) > 0]
         assert f.special[starts].all() and f.special.sum() == len(starts)
@@ -128,18 +82,18 @@ def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
 
 def test_batches_do_not_change_the_rows(corpus, gpt2_reference, tmp_path, cli):
     out = tmp_path / "small.zarr"
-    code, _, err = cli(*_job(corpus, "gpt2", out, "--batch-size", "2", "--tokens-per-batch", "64"))
+    code, _, err = cli(*token_job(corpus, "gpt2", out, "--batch-size", "2", "--tokens-per-batch", "64"))
     assert code == 0, err
     small, reference = open_features(out), open_features(gpt2_reference)
     assert (small.token_ids == reference.token_ids).all() and (small.offsets == reference.offsets).all()
     for layer in reference.layers:
-        assert _close(small.load(layer), reference.load(layer)), layer
+        assert close(small.load(layer), reference.load(layer)), layer
 
 
 def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, tmp_path, cli):
     out = tmp_path / "pooled.zarr"
     pools = ["transformer.h.0=mean", "hidden_states.3=last", "lm_head=max"]
-    code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", *pools, "--tokens-per-batch", "200"))
+    code, _, err = cli(*token_job(corpus, "gpt2", out, "--pool", *pools, "--tokens-per-batch", "200"))
     assert code == 0, err
     pooled, tokens = open_features(out), open_features(gpt2_reference)
     assert pooled.kind == "documents" and len(pooled) == tokens.num_documents
@@ -150,223 +104,9 @@ def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, 
             assert np.isnan(pooled.load("transformer.h.0", [i])).all() and not pooled.valid[i]
             continue
         assert pooled.valid[i]
-        assert _close(pooled.load("transformer.h.0", [i])[0], rows["transformer.h.0"].mean(0))
-        assert _close(pooled.load("hidden_states.3", [i])[0], rows["hidden_states.3"][-1])
-        assert _close(pooled.load("lm_head", [i])[0], rows["lm_head"].max(0))
-
-
-SMALL_CHUNKS = ["--chunk-size", "16", "--tokens-per-batch", "32"]  # many chunks: a kill lands mid-run
-
-
-@pytest.fixture(scope="module")
-def launched(corpus, tmp_path_factory, request):
-    """Two launches for the module: 2 ranks run a whole job, the same job on S3, then a second job
-    whose last rank is SIGKILLed mid-run; 3 ranks run the whole job, then resume the killed one."""
-    two_folder, three_folder = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("three")
-    killed = two_folder / "killed.zarr"
-    whole = ["--chunk-size", "64", "--tokens-per-batch", "256"]
-    server = s3_server_or_none(request)
-    on_s3 = f"s3://{server.bucket}/tokens-{uuid.uuid4().hex[:8]}/p2.zarr" if server else None
-    jobs = {
-        "whole": _job(corpus, "gpt2", two_folder / "p2.zarr", *whole),
-        **({"s3": _job(corpus, "gpt2", on_s3, *whole)} if on_s3 else {}),
-        "packed": _packed_job(corpus, "gpt2", two_folder / "packed.zarr", "--chunk-size", "100"),
-        "killed": _job(corpus, "gpt2", killed, *SMALL_CHUNKS),
-    }
-    two = Sequence(2, jobs, two_folder, env=server.env() if server else None)
-    job = two.start()
-    deadline = time.time() + 240
-    while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6):
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-3000:]
-        time.sleep(0.02)
-    os.kill(rank_pids(job.pid, program=b"job_sequence.py")[-1], signal.SIGKILL)
-    job.communicate(timeout=120)
-    partial = open_features(killed, allow_partial=True)
-    done_before = int(partial.store.done_flags().sum())
-    three = Sequence(
-        3, {
-            "whole": _job(corpus, "gpt2", three_folder / "p3.zarr", *whole),
-            "packed": _packed_job(corpus, "llama", three_folder / "packed.zarr", "--chunk-size", "100"),
-            "resume": _job(corpus, "gpt2", killed, *SMALL_CHUNKS),
-        },
-        three_folder,
-    )  # fmt: skip
-    finished = three.run(timeout=300)
-    return {
-        "two": two, "three": three, "killed": killed, "done_before": done_before, "finished": finished,
-        "s3": on_s3, "s3_env": server.env() if server else None,
-    }  # fmt: skip
-
-
-@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
-def test_two_and_three_processes_equal_one(launched, gpt2_reference):
-    reference = open_features(gpt2_reference)
-    for processes, sequence in ((2, launched["two"]), (3, launched["three"])):
-        result = sequence.result("whole")
-        assert result.codes == [0] * processes, result.stderr[-3000:]
-        f = open_features(sequence.folder / f"p{processes}.zarr")
-        assert f.store.done_flags().all() and f.attrs["runs"][-1]["world_size"] == processes
-        assert (f.token_ids == reference.token_ids).all() and (f.keys == reference.keys).all()
-        for layer in reference.layers:
-            values = f.load(layer)
-            assert not np.isnan(values).any() and _close(values, reference.load(layer)), (processes, layer)
-
-
-@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
-def test_a_token_job_on_s3_by_two_processes_equals_the_same_job_on_disk(launched, monkeypatch):
-    """Issue 20: the store 2 ranks wrote to S3 holds, byte for byte, what the same job wrote to disk:
-    features, token ids, special, offsets, labels, keys and done (every array, by listing)."""
-    if launched["s3"] is None:
-        pytest.skip("the S3 tests need moto[server] and obstore (pip install 'extract[test]')")
-    for variable, value in launched["s3_env"].items():
-        monkeypatch.setenv(variable, value)
-    result = launched["two"].result("s3")
-    assert result.codes == [0, 0], result.stderr[-3000:]
-    import zarr
-
-    from extract.store.location import open_store
-
-    local = zarr.open_group(launched["two"].folder / "p2.zarr", mode="r")
-    remote = zarr.open_group(open_store(launched["s3"], read_only=True), mode="r")
-    arrays = sorted(name for name, member in local.members(max_depth=None) if isinstance(member, zarr.Array))
-    assert arrays == sorted(name for name, m in remote.members(max_depth=None) if isinstance(m, zarr.Array))
-    assert {"token_ids", "special", "offsets", "labels", "keys", "done", "features/transformer.h.0"} <= set(arrays)
-    for name in arrays:
-        np.testing.assert_array_equal(remote[name][:], local[name][:], err_msg=name)
-    assert remote.attrs["status"] == "complete" and remote.attrs["fingerprint"] == local.attrs["fingerprint"]
-    assert remote.attrs["runs"][-1]["world_size"] == 2
-
-
-@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
-def test_a_killed_run_resumes_with_another_process_count_and_verify_catches_a_tampered_chunk(
-    corpus, launched, gpt2_reference
-):
-    from extract.cli.extract import main
-    from extract.cli.verify import main as verify
-
-    out, reference = launched["killed"], open_features(gpt2_reference)
-    resumed_job = launched["three"].result("resume")
-    assert launched["finished"].returncode == 0 and resumed_job.codes == [0, 0, 0], resumed_job.stderr[-3000:]
-    resumed = open_features(out)
-    assert 0 < launched["done_before"] < resumed.num_chunks
-    assert [run["world_size"] for run in resumed.attrs["runs"]] == [2, 3]
-    assert (resumed.token_ids == reference.token_ids).all()
-    for layer in reference.layers:
-        assert _close(resumed.load(layer), reference.load(layer)), layer
-
-    for chunk in (out / "features" / "transformer.h.0" / "c" / "3" / "0", out / "token_ids" / "c" / "5"):
-        raw = bytearray(chunk.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        chunk.write_bytes(bytes(raw))
-    assert verify([str(out)]) == 1
-    assert verify([str(out), "--repair"]) == 1  # the damaged chunks are cleared: the job's command redoes them
-    assert main(_job(corpus, "gpt2", out, *SMALL_CHUNKS)) == 0
-    assert verify([str(out)]) == 0
-    repaired = open_features(out)
-    assert (repaired.token_ids == reference.token_ids).all()
-    for layer in reference.layers:
-        assert _close(repaired.load(layer), reference.load(layer)), layer
-
-
-def _packed_by_hand(model_dir, documents, separator_is_bos):
-    """The contexts SAELens builds, from transformers' own tokenizer: each document's content tokens,
-    EOS (BOS for Llama) between two documents, cut into BOS + PACK - 1 tokens; and per token its
-    document and position (-1 for the inserted ones)."""
-    import transformers as tf
-
-    tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
-    separator = tokenizer.bos_token_id if separator_is_bos else tokenizer.eos_token_id
-    stream, doc, position = [], [], []
-    for i, document in enumerate(documents):
-        ids = tokenizer(document, add_special_tokens=False)["input_ids"]
-        if not ids:
-            continue
-        if stream:
-            stream, doc, position = stream + [separator], doc + [-1], position + [-1]
-        stream, doc, position = stream + ids, doc + [i] * len(ids), position + list(range(len(ids)))
-    contexts = len(stream) // (PACK - 1)
-
-    def shaped(values, first):
-        body = np.array(values[: contexts * (PACK - 1)]).reshape(contexts, PACK - 1)
-        return np.concatenate([np.full((contexts, 1), first), body], axis=1)
-
-    return (
-        shaped(stream, tokenizer.bos_token_id),
-        shaped(doc, -1),
-        shaped(position, -1),
-        len(stream) - contexts * (PACK - 1),
-    )
-
-
-@pytest.mark.parametrize("processes, kind", [(2, "gpt2"), (3, "llama")])
-@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
-def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(corpus, launched, processes, kind):
-    import transformers as tf
-
-    _, documents, _, models = corpus
-    sequence = launched["two" if processes == 2 else "three"]
-    result = sequence.result("packed")
-    assert result.codes == [0] * processes, result.stderr[-3000:]
-    assert "contexts of 48 tokens" in result.stderr and "were dropped" in result.stderr, result.stderr[-3000:]
-    f = open_features(sequence.folder / "packed.zarr")
-    contexts, doc, position, tail = _packed_by_hand(models[kind], documents, separator_is_bos=kind == "llama")
-    assert f.kind == "tokens" and f.num_documents == len(contexts) and (np.diff(f.offsets) == PACK).all()
-    assert f.pack["contexts"] == len(contexts) and f.pack["dropped_tokens"] == tail
-    assert f.pack["source_documents"] == len(documents)
-    assert f.token_ids.tolist() == contexts.reshape(-1).tolist()
-    assert (f.doc == doc.reshape(-1)).all() and (f.doc_position == position.reshape(-1)).all()
-    assert (f.special == (doc.reshape(-1) < 0)).all()  # the docstrings hold no special token of their own
-    assert f.keys.tolist() == [f"docs.jsonl/{i}" for i in range(len(documents))]
-    assert f.token_positions.tolist() == np.tile(np.arange(PACK), len(contexts)).tolist()
-    model = tf.AutoModelForCausalLM.from_pretrained(models[kind]).eval()
-    with torch.inference_mode():
-        out = model(input_ids=torch.from_numpy(contexts), output_hidden_states=True)
-    for layer, number in HIDDEN[kind].items():
-        assert _close(f.load(layer), out.hidden_states[number].reshape(-1, out.hidden_states[0].shape[-1]).numpy()), (
-            layer
-        )
-
-
-@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
-def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(corpus, launched, tmp_path):
-    import shutil
-
-    from extract.cli.extract import main
-    from extract.cli.verify import main as verify
-
-    original = launched["two"].folder / "packed.zarr"
-    store = tmp_path / "packed.zarr"
-    shutil.copytree(original, store)
-    for chunk in (
-        store / "token_ids" / "c" / "2",
-        store / "doc" / "c" / "4",
-        store / "features" / "transformer.h.0" / "c" / "1" / "0",
-    ):
-        raw = bytearray(chunk.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        chunk.write_bytes(bytes(raw))
-    (store / "doc_position" / "c" / "3").unlink()
-    assert verify([str(store), "--repair"]) == 1
-    assert main(_packed_job(corpus, "gpt2", store, "--chunk-size", "100")) == 0
-    assert verify([str(store)]) == 0
-    repaired, reference = open_features(store), open_features(original)
-    for name in ("token_ids", "special", "doc", "doc_position"):
-        assert (getattr(repaired, name) == getattr(reference, name)).all(), name
-    for layer in reference.layers:
-        assert _close(repaired.load(layer), reference.load(layer)), layer
-
-
-@pytest.mark.slow  # processes under accelerate launch, SLURM or a storm of kills
-def test_another_pack_length_is_another_job(corpus, launched, tmp_path, cli):
-    import shutil
-
-    store = tmp_path / "packed.zarr"
-    shutil.copytree(launched["two"].folder / "packed.zarr", store)
-    job = _packed_job(corpus, "gpt2", store)
-    job[job.index("--pack") + 1] = "40"
-    code, _, err = cli(*job)
-    assert code == 2 and "tokenization" in err, err
-    assert open_features(store).pack["context_length"] == PACK
+        assert close(pooled.load("transformer.h.0", [i])[0], rows["transformer.h.0"].mean(0))
+        assert close(pooled.load("hidden_states.3", [i])[0], rows["hidden_states.3"][-1])
+        assert close(pooled.load("lm_head", [i])[0], rows["lm_head"].max(0))
 
 
 @pytest.mark.parametrize(
@@ -396,15 +136,15 @@ def test_device_map_auto_on_the_cpu_equals_the_plain_run(corpus, gpt2_reference,
     """Without a GPU accelerate's dispatch puts every module on the CPU: the path runs whole here
     (several GPUs: benchmarks/gpu_check.sh)."""
     out = tmp_path / "mapped.zarr"
-    code, _, err = cli(*_job(corpus, "gpt2", out, "--device-map", "auto"))
+    code, _, err = cli(*token_job(corpus, "gpt2", out, "--device-map", "auto"))
     assert code == 0, err
     mapped, reference = open_features(out), open_features(gpt2_reference)
     assert mapped.attrs["job"]["device_map"] == "auto"
     assert mapped.attrs["fingerprint"] == reference.attrs["fingerprint"]  # where the model ran is no identity
     for layer in reference.layers:
-        assert _close(mapped.load(layer), reference.load(layer)), layer
+        assert close(mapped.load(layer), reference.load(layer)), layer
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    code, _, err = cli(*_job(corpus, "gpt2", tmp_path / "two.zarr", "--device-map", "auto"))
+    code, _, err = cli(*token_job(corpus, "gpt2", tmp_path / "two.zarr", "--device-map", "auto"))
     assert code == 2 and "launch one process per node" in err and len(_own_lines(err)) == 1, err
 
 
@@ -431,7 +171,7 @@ def test_bad_text_jobs_are_one_line_and_write_nothing(corpus, tmp_path, cli, cha
     (tmp_path / "imgs" / "a").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "imgs" / "a" / "x.png")
     out = tmp_path / "bad.zarr"
-    args = _job(corpus, "gpt2", out)
+    args = token_job(corpus, "gpt2", out)
     code, _, err = cli(*args, *change(corpus, tmp_path / "imgs"))
     assert code == 2 and words in err, err
     assert len(_own_lines(err)) == 1 and "Traceback" not in err, err
@@ -480,7 +220,7 @@ def test_a_vision_model_with_text_is_refused(corpus, tmp_path, cli, model):
 def test_a_text_job_counts_its_rows_in_tokens_or_documents(corpus, tmp_path, cli, pool, rows):
     """The start line, the summary line and the summary record say what a row is (no 'samples')."""
     out = tmp_path / "t.zarr"
-    code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", pool))
+    code, _, err = cli(*token_job(corpus, "gpt2", out, "--pool", pool))
     assert code == 0, err
     f = open_features(out)
     start = next(line for line in err.splitlines() if " as float32; " in line)
@@ -502,7 +242,7 @@ def test_resuming_with_another_tokenizer_is_refused(corpus, gpt2_reference, tmp_
     tokenizer.save_pretrained(other)
     store = tmp_path / "again.zarr"
     shutil.copytree(gpt2_reference, store)
-    job = _job(corpus, "gpt2", store)
+    job = token_job(corpus, "gpt2", store)
     job[1] = f"hf:{other}"  # the same model and data; only the tokenizer differs
     code, _, err = cli(*job)
     assert code == 2 and "tokenization" in err, err
@@ -534,7 +274,7 @@ def test_feature_dataset_serves_every_token_once_with_its_documents_label(gpt2_r
 
 def test_probes_take_a_document_store_and_refuse_a_token_store(corpus, gpt2_reference, tmp_path, cli, capsys):
     out = tmp_path / "docs.zarr"
-    code, _, err = cli(*_job(corpus, "gpt2", out, "--pool", "mean"))
+    code, _, err = cli(*token_job(corpus, "gpt2", out, "--pool", "mean"))
     assert code == 0, err
     from extract.cli.probe import main as probe
 
@@ -572,7 +312,7 @@ def test_every_text_source_gives_the_same_rows(corpus, tmp_path, cli):
     stores = {}
     for name, data in sources.items():
         out = tmp_path / f"{name}.zarr"
-        args = _job(corpus, "gpt2", out)
+        args = token_job(corpus, "gpt2", out)
         args[args.index("--data") + 1] = data
         if name == "txt":  # text files have no fields
             at = args.index("--label-key")
@@ -589,14 +329,14 @@ def test_every_text_source_gives_the_same_rows(corpus, tmp_path, cli):
         if name != "txt":
             assert store.labels.tolist() == labels, name
         for layer in reference.layers:
-            assert _close(store.load(layer), reference.load(layer)), (name, layer)
+            assert close(store.load(layer), reference.load(layer)), (name, layer)
 
 
 def test_token_ids_outside_the_vocabulary_are_one_line(corpus, tmp_path, cli):
     with (tmp_path / "ids.jsonl").open("w") as f:
         f.write(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps({"input_ids": [4, 5000]}) + "\n")
     out = tmp_path / "oov.zarr"
-    args = _job(corpus, "gpt2", out)
+    args = token_job(corpus, "gpt2", out)
     args[args.index("--data") + 1] = f"text:{tmp_path / 'ids.jsonl'}"
     at = args.index("--label-key")
     del args[at : at + 2]
@@ -674,7 +414,7 @@ def test_pool_model_is_sentence_transformers_encode_on_the_real_model(tmp_path, 
 def test_pool_model_without_sentence_transformers_files_is_one_line(corpus, tmp_path, cli):
     root, _, _, models = corpus
     out = tmp_path / "no.zarr"
-    args = _job(corpus, "bert", out)
+    args = token_job(corpus, "bert", out)
     args[args.index("--layers") : args.index("--layers") + 1 + len(LAYERS["bert"])] = ["--layers", "hidden_states.3"]
     code, _, err = cli(*args, "--pool", "model")
     lines = _own_lines(err)
@@ -720,7 +460,7 @@ def test_labels_are_checked_before_the_model_is_built(corpus, tmp_path, cli, mon
 
     monkeypatch.setattr(runner, "build_model", build_model)
     write_jsonl(tmp_path / "mixed.jsonl", real_documents(4), y=[0, 1, "cat", 2])
-    args = _job(corpus, "bert", tmp_path / "m.zarr")
+    args = token_job(corpus, "bert", tmp_path / "m.zarr")
     args[args.index("--data") + 1] = f"text:{tmp_path / 'mixed.jsonl'}"
     args[args.index("--label-key") + 1] = "y"
     code, _, err = cli(*args)

@@ -53,3 +53,19 @@ def assert_same_store(got: str | Path, expected: str | Path, arrays: tuple[str, 
     assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
     for name in arrays:
         np.testing.assert_array_equal(a[name][:], b[name][:], err_msg=name)
+
+
+def assert_same_features(
+    got: str | Path, expected: str | Path, layers: tuple[str, ...] = ("layer2", "layer4"), atol: float = 1e-5
+) -> None:
+    """``got`` is complete, of the same job as ``expected``, with every sample present: its features of
+    ``layers`` within ``atol`` (ranks batch differently) and its labels equal."""
+    a, b = zarr.open_group(got, mode="r"), zarr.open_group(expected, mode="r")
+    assert a.attrs["status"] == "complete"
+    assert a.attrs["fingerprint"] == b.attrs["fingerprint"]
+    for layer in layers:
+        x, y = a[f"features/{layer}"][:], b[f"features/{layer}"][:]
+        assert not np.isnan(x).any(), "every sample present"
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
+    np.testing.assert_array_equal(a["labels"][:], b["labels"][:])
+    assert a["done"][:].all()
