@@ -1,7 +1,8 @@
 """What the tests share: paths, the command line and its argument lists (``cli``), data sets on disk
-(``data_files``), models (``tiny_models``, ``text_models``), an independent forward (``reference``),
-stores from arrays (``stores``), forked and launched runs (``forked``, ``launches``), and moto's S3
-server with a fault proxy in front of it (``s3``, ``faultproxy``).
+(``data_files``), models (``tiny_models``, ``text_models``) and the token jobs (``text_jobs``), an
+independent forward (``reference``), stores from arrays and their comparisons (``stores``), forked and
+launched runs (``forked``, ``launches``), and moto's S3 server with a fault proxy in front of it (``s3``,
+``faultproxy``).
 
 Tests import them as ``helpers.X`` (``tests/`` is on ``sys.path``: pytest's ``pythonpath``). Scripts
 run by path (``job_sequence.py``, ``ddp_sampler_script.py``, ``s3_forked.py``) live here too, and the
