@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zarr
 from helpers import ROOT
+from helpers.cli import chunks as chunks_text
 from helpers.cli import run_cli
 from helpers.data_files import write_shards
 from helpers.launches import Sequence, free_port, launcher, rank_pids
@@ -205,7 +206,7 @@ def test_sigkill_a_rank_then_resume_with_another_number_of_ranks(cli, tmp_path, 
     assert returncode == 0 and result.codes == [0, 0, 0], stderr[-3000:] + result.stderr[-3000:]
     assert "using the shard index kept in" in result.stderr  # the resume did not rescan the shards
     assert f"{finished} of {chunks} chunks already done" in result.stderr
-    assert f"{chunks - finished} chunks written, {finished} reused" in result.stderr
+    assert f"{chunks_text(chunks - finished)} written, {finished} reused" in result.stderr
     out = sequence.folder / "killed.zarr"
     runs = zarr.open_group(out, mode="r").attrs["runs"]
     assert len(runs) == 2 and runs[0]["status"] in ("interrupted", "killed") and runs[1]["world_size"] == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zarr
 from helpers import ROOT, TINY, tiny_models
-from helpers.cli import SMALL, one_line_error
+from helpers.cli import SMALL, chunks, one_line_error
 from helpers.data_files import make_png_tree
 from helpers.forked import fork_run, fork_start, fork_wait
 from helpers.launches import launcher, rank_pids
@@ -197,7 +197,7 @@ def test_write_error_stops_the_run_and_a_rerun_completes(cli, tmp_path):
     code, _, err = cli(*args)
     assert code == 0, err
     reused = int(done.sum())
-    assert f"{8 - reused} chunks written, {reused} reused" in err
+    assert f"{chunks(8 - reused)} written, {reused} reused" in err
     code, _, err = cli(
         *SMALL, "--data", "synthetic:24", "--chunk-size", "3", "--batch-size", "2", "--out", tmp_path / "clean.zarr"
     )

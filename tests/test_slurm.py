@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import zarr
 from helpers import ROOT
+from helpers.cli import chunks
 from helpers.stores import assert_same_features
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -275,7 +276,7 @@ def test_scancel_term_then_requeue_resumes(cluster, tmp_path, paced_reference):
     output = log.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", output[-3000:]
     assert f"{finished} of {PACED_CHUNKS} chunks already done" in output
-    assert f"{PACED_CHUNKS - finished} chunks written, {finished} reused" in output
+    assert f"{chunks(PACED_CHUNKS - finished)} written, {finished} reused" in output
     assert_same_features(out, paced_reference)
 
 
@@ -302,11 +303,11 @@ def test_time_limit_signal_stops_the_job_in_time_and_a_resubmission_completes(cl
     grace = datetime.fromisoformat(info["EndTime"]) - datetime.fromisoformat(signalled[1])
     assert grace.total_seconds() < 30
     finished = _stopped_cleanly(out, paced_reference)
-    assert f"interrupted by SIGTERM: {finished} chunks written and marked done" in output
+    assert f"interrupted by SIGTERM: {chunks(finished)} written and marked done" in output
 
     job_id = cluster.sbatch(*cpu_node(1), *submit)
     info = cluster.wait(job_id)
     output = log.read_text()
     assert info["JobState"] == "COMPLETED", output[-3000:]
-    assert f"{PACED_CHUNKS - finished} chunks written, {finished} reused" in output
+    assert f"{chunks(PACED_CHUNKS - finished)} written, {finished} reused" in output
     assert_same_features(out, paced_reference)

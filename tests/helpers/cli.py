@@ -38,3 +38,8 @@ def one_line_error(err: str) -> str:
     lines = [line for line in err.strip().splitlines() if line.startswith("extract: error")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def chunks(count: int) -> str:
+    """``N chunks`` as the job's summary and interruption lines say it (``1 chunk``)."""
+    return f"{count} chunk{'s' if count != 1 else ''}"
