@@ -46,7 +46,9 @@ def wait_for_stop(stop: threading.Event, seconds: float) -> bool:
 # timings ------------------------------------------------------------------------------------------
 
 
-def _seconds(variable: str, default: float) -> float:
+def seconds_setting(variable: str, default: float) -> float:
+    """A positive number of seconds from environment ``variable`` (``default`` when unset); anything else
+    is one line naming the variable."""
     text = os.environ.get(variable)
     if text is None:
         return default
@@ -62,7 +64,7 @@ def _seconds(variable: str, default: float) -> float:
 def timings() -> tuple[float, float]:
     """The heartbeat and the stale age, from the environment where set. A heartbeat as slow as the stale
     age would let another job take a live holder's lock."""
-    heartbeat, stale_after = _seconds(HEARTBEAT_VARIABLE, HEARTBEAT), _seconds(STALE_AFTER_VARIABLE, STALE_AFTER)
+    heartbeat, stale_after = seconds_setting(HEARTBEAT_VARIABLE, HEARTBEAT), seconds_setting(STALE_AFTER_VARIABLE, STALE_AFTER)
     if heartbeat >= stale_after:
         raise ExtractError(
             f"{HEARTBEAT_VARIABLE} ({heartbeat:g} s) must be shorter than {STALE_AFTER_VARIABLE} ({stale_after:g} s)"

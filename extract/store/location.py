@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..errors import (
-    ExtractError,
     ForkedAfterObjectStorageError,
     LocationError,
     ObjectStorageError,
@@ -163,16 +162,9 @@ def _parse(text: str | os.PathLike[str], *, store: bool) -> Location:
 
 
 def _retry_timeout() -> float:
-    text = os.environ.get(RETRY_TIMEOUT_VARIABLE)
-    if text is None:
-        return RETRY_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ExtractError(f"{RETRY_TIMEOUT_VARIABLE}={text!r} is not a positive number of seconds; fix or unset it")
-    return value
+    from .held_lock import seconds_setting  # the lock's own settings are read the same way
+
+    return seconds_setting(RETRY_TIMEOUT_VARIABLE, RETRY_TIMEOUT)
 
 
 def retry_config(timeout: float | None = None) -> dict[str, Any]:
