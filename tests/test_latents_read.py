@@ -45,7 +45,9 @@ def add_codes(path, layer: str, indices: np.ndarray, values: np.ndarray, dense: 
     group = zarr.open_group(str(path), mode="r+")
     rows = len(indices)
     codes = group.create_group(f"latents/{layer}")
-    codes.attrs.update(d_sae=D_SAE, k=K, hook_name=layer, architecture="topk", sae_path="sae/", sae_sha256="0" * 64)
+    record = dict(d_sae=D_SAE, k=K, hook_name=layer, architecture="topk", sae_path="sae/", sae_sha256="0" * 64)
+    codes.attrs.update(record)
+    group.attrs["latents"] = {**group.attrs.get("latents", {}), layer: record}  # as the job records its codes
     for name, data, fill in (("indices", indices, -1), ("values", values, 0)):
         array = codes.create_array(
             name, shape=data.shape, chunks=(CHUNK, K), dtype=data.dtype, fill_value=fill,

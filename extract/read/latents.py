@@ -69,25 +69,11 @@ class LatentCodes:
         self.attrs = dict(features.store.group[self.name].attrs)
         self.d_sae, self.k = int(self.attrs["d_sae"]), int(self.indices.shape[1])
         self.num_rows = int(self.indices.shape[0])
-        self._stored: dict[str, set[int]] = {}  # per array, its stored chunks (one listing each, at first read)
-
-    def _check_stored(self, chunks: Sequence[int]) -> None:
-        """An absent object would read as the fill value (no codes): name it instead."""
-        reads = self.features._reads
-        done = [k for k in chunks if reads.done[k]]
-        for array in (self.indices, self.values):
-            name = array.path
-            if name not in self._stored:
-                every = np.flatnonzero(reads.done).tolist()
-                self._stored[name] = self.features.store.integrity.stored_chunks(name, every)
-            if lost := [k for k in done if k not in self._stored[name]]:
-                raise reads.damaged(f"SAE codes '{name}'", lost[0], "is missing")
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``start:stop``: (indices (n, k) int32, values (n, k) float16), each chunk checked."""
         size = self.features.chunk_size
         chunks = list(range(start // size, -(-stop // size))) if stop > start else []
-        self._check_stored(chunks)
         reads = self.features._reads
         indices = reads.checked(
             self.indices.path, f"SAE codes '{self.indices.path}'", chunks, lambda: self.indices[start:stop]
