@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers.saes import top_k_codes
 
 pytest.importorskip("sae_lens")
 
@@ -69,17 +70,6 @@ def _inputs(rows: int = 200, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, D_IN, generator=torch.Generator().manual_seed(seed))
 
 
-def _reference(dense: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's k largest nonzero codes by numpy: value descending, then latent ascending."""
-    indices = np.full((len(dense), k), -1, dtype=np.int64)
-    values = np.zeros((len(dense), k), dtype=dense.dtype)
-    for r, row in enumerate(dense):
-        order = np.lexsort((np.arange(len(row)), -row))  # the last key sorts first
-        order = order[row[order] != 0][:k]
-        indices[r, : len(order)], values[r, : len(order)] = order, row[order]
-    return indices, values
-
-
 def _reference_stats(dense: np.ndarray, kept: np.ndarray, k: int) -> dict[str, np.ndarray]:
     wide = dense.astype(np.float64)
     return {
@@ -103,7 +93,7 @@ def test_codes_are_sae_lens_encode_top_k_and_stats_are_numpys(saved, architectur
     x = _inputs()
     with torch.no_grad():
         dense = original.encode(x).numpy()
-    want_indices, want_values = _reference(dense, k)
+    want_indices, want_values = top_k_codes(dense, k)
     assert (want_indices[:, -1] == -1).any() or architecture == "topk" or (dense != 0).sum(1).min() >= k
 
     stats = encoder.new_stats()
@@ -169,7 +159,7 @@ def test_a_checkpoint_s_input_scaling_is_folded_as_sae_lens_folds_it(tmp_path):
     with torch.no_grad():
         dense = sae.encode(x * 2.5).numpy()
     codes = load_sae(tmp_path, k=8).encode(x)
-    want_indices, want_values = _reference(dense, 8)
+    want_indices, want_values = top_k_codes(dense, 8)
     np.testing.assert_array_equal(codes.indices.numpy(), want_indices)
     np.testing.assert_allclose(codes.values.float().numpy(), want_values, rtol=1e-3, atol=1e-3)
 

@@ -18,6 +18,7 @@ import torch
 import zarr
 from helpers import ROOT
 from helpers.launches import Sequence, environment
+from helpers.saes import top_k_codes
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 pytest.importorskip("sae_lens")
@@ -94,17 +95,6 @@ def two(corpus, tmp_path_factory):
     return folder
 
 
-def _reference(dense: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's k largest nonzero codes by numpy: value descending, then latent ascending."""
-    indices = np.full((len(dense), k), -1, dtype=np.int32)
-    values = np.zeros((len(dense), k), dtype=np.float32)
-    for r, row in enumerate(dense):
-        order = np.lexsort((np.arange(len(row)), -row))  # the last key sorts first
-        order = order[row[order] != 0][:k]
-        indices[r, : len(order)], values[r, : len(order)] = order, row[order]
-    return indices, values
-
-
 def _dense(sae_path, rows: np.ndarray) -> np.ndarray:
     from sae_lens import SAE
 
@@ -117,7 +107,7 @@ def _check_codes(store, layer: str, sae_path, k: int, rows: np.ndarray | None = 
     rows = group[f"features/{layer}"][:] if rows is None else rows
     dense = _dense(sae_path, rows)
     indices, values = group[f"latents/{layer}/indices"][:], group[f"latents/{layer}/values"][:]
-    want_indices, want_values = _reference(dense, k)
+    want_indices, want_values = top_k_codes(dense, k)
     assert indices.dtype == np.int32 and values.dtype == np.float16 and indices.shape == (len(rows), k)
     np.testing.assert_array_equal(indices, want_indices)
     np.testing.assert_array_equal(values, want_values.astype(np.float16))
