@@ -56,6 +56,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers.launches import descendants  # noqa: E402  (the suite's walk of a launch's process tree)
+
 LAYER = "transformer.h.0"
 CONTEXT = 128
 PAGE_TICKS = os.sysconf("SC_CLK_TCK")
@@ -276,25 +279,6 @@ def at_exit_hook(workdir: Path) -> Path:
     folder.mkdir(exist_ok=True)
     (folder / "sitecustomize.py").write_text(AT_EXIT)
     return folder
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid``'s live descendants (children of children too)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -38,7 +38,7 @@ def descendants(pid: int) -> list[int]:
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
+            except (OSError, IndexError, ValueError):  # it exited while the listing was read
                 continue
             children.setdefault(ppid, []).append(int(entry))
     found, todo = [], [pid]
