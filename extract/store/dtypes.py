@@ -10,11 +10,13 @@ read as NaN, as in the float arrays.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import zarr
+
+if TYPE_CHECKING:  # torch is loaded by the functions that take tensors: the store and verify need none
+    import torch
 
 BFLOAT16 = "bfloat16"
 MARK = "extract_dtype"  # the attribute that says what a uint16 array of bits holds
@@ -51,11 +53,15 @@ def stored_name(array: zarr.Array) -> str:
 
 def host_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype that holds a staged batch of ``dtype`` (bfloat16: its bits)."""
+    import torch
+
     return np.dtype(np.uint16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def host_values(tensor: torch.Tensor) -> np.ndarray:
     """A host tensor as numpy, the same memory (bfloat16: its bits, as ``uint16``)."""
+    import torch
+
     return tensor.view(torch.uint16).numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
 
 
@@ -79,6 +85,8 @@ def as_stored(values: np.ndarray, array: zarr.Array) -> np.ndarray:
 
 def as_tensor(values: np.ndarray, bfloat16: bool) -> torch.Tensor:
     """Values read from a layer's array as a tensor, the same memory (bfloat16 bits: a bfloat16 view)."""
+    import torch
+
     tensor = torch.from_numpy(values)
     return tensor.view(torch.bfloat16) if bfloat16 else tensor
 
@@ -86,6 +94,8 @@ def as_tensor(values: np.ndarray, bfloat16: bool) -> torch.Tensor:
 def numpy_view(tensor: torch.Tensor, array: zarr.Array) -> np.ndarray | None:
     """``tensor``'s memory as the numpy dtype ``array`` stores, when its values are the stored values
     unconverted (zarr then decodes straight into it); None when they need a conversion."""
+    import torch
+
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.uint16).numpy() if is_bfloat16(array) else None
     if is_bfloat16(array):
