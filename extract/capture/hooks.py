@@ -22,6 +22,7 @@ from .layers import module_input, resolve_layers, select, select_input
 from .layout import shape_tree
 
 Sink = Callable[[str, torch.Tensor], None]
+Gather = Callable[[str, torch.Tensor], torch.Tensor]  # a layer's captured slice -> the whole tensor (``sharded``)
 Edit = Callable[[torch.Tensor], Any]
 Retain = Literal["output", "shape", "reference"]
 RETAIN_CHOICES = ("output", "shape", "reference")
@@ -74,6 +75,9 @@ class Capture:
         sink: called as ``sink(layer, tensor)`` instead of keeping a clone in ``outputs``; the tensor
             may be changed in place later in the forward, so the sink must copy it before returning
             or order its copy before any later work (as ``HostStaging.stage`` does). ``retain="output"`` only.
+        gather: called as ``gather(layer, tensor)`` before ``reduce``, giving the whole tensor where a
+            tensor-parallel model holds a slice of it on each rank (``extract.capture.sharded``); every rank
+            of the group must run the same forwards, as the gather is a collective. ``retain="output"`` only.
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class Capture:
         stop: bool = False,
         edit: Mapping[str, Edit] | None = None,
         sink: Sink | None = None,
+        gather: Gather | None = None,
     ) -> None:
         if retain not in RETAIN_CHOICES:
             raise ValueError(f"retain={retain!r}: choose one of {', '.join(RETAIN_CHOICES)}")
@@ -98,6 +103,7 @@ class Capture:
         self.stop = stop
         self.edit = dict(edit or {})
         self.sink = sink
+        self.gather = gather
         self.outputs: dict[str, torch.Tensor] = {}
         self.seen: list[tuple[str, Any]] = []  # (site, shape tree or output) per call, in the order they fired
         self.calls: Counter[str] = Counter()  # per site: a module's name (its output) or name@input
@@ -215,6 +221,8 @@ class Capture:
 
     def _keep(self, ref: LayerRef, value: torch.Tensor) -> None:
         value = value.detach()
+        if self.gather is not None:
+            value = self.gather(ref.name, value)
         reduce = self.reduce.get(ref.name) if isinstance(self.reduce, Mapping) else self.reduce
         if reduce is not None:
             try:

@@ -21,6 +21,7 @@ from .cast import check_batch
 from .hooks import Capture
 from .layers import describe
 from .layout import infer_layout, selected_shape
+from .sharded import GroupGather
 from .tokens import TextReduce, TextSelection
 
 Run = Callable[[Any], Any]
@@ -158,11 +159,16 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 
 
 def _capture(
-    loaded: ModelRunner, model: nn.Module, refs: Sequence[LayerRef], example: torch.Tensor, autocast: Any
+    loaded: ModelRunner,
+    model: nn.Module,
+    refs: Sequence[LayerRef],
+    example: torch.Tensor,
+    autocast: Any,
+    gather: GroupGather | None = None,
 ) -> dict[str, torch.Tensor]:
     """One batch through the capture, kept whole: each layer runs exactly once and its selector fits."""
     try:
-        with Capture(model, list(refs)) as cap, torch.inference_mode(), autocast:
+        with Capture(model, list(refs), gather=gather) as cap, torch.inference_mode(), autocast:
             loaded.call(model, example)
     except ExtractError:
         raise
@@ -264,6 +270,7 @@ class TextLayerSetup(LayerSetup):
     selection: TextSelection = field(default_factory=TextSelection)
     per_token: bool = True
     model_pooling: ModelPooling | None = None  # what --pool model applies, where a layer asks for it
+    gather: GroupGather | None = None  # tensor parallel: the sharded layers made whole over the group
 
     def stored_layouts(self) -> dict[str, str | None]:
         """A text row is one vector (a token's, or a document's pooled): no layout to record."""
@@ -279,6 +286,7 @@ def setup_text_layers(
     autocast: Any,
     model_pooling: Callable[[], ModelPooling] | None = None,
     dtype: torch.dtype | None = None,
+    gather: GroupGather | None = None,
 ) -> TextLayerSetup:
     """One forward of ``example`` (input_ids and attention_mask, (B, T)) validates the layers: each must
     give (B, T, ...). Every layer is either stored per token (``--pool none``) or pooled per document
@@ -300,7 +308,9 @@ def setup_text_layers(
                 f"--pool {MODEL_POOL}: this model names no pooling of its own; use {', '.join(TEXT_POOLS)}"
             )
         applied = model_pooling()
-    outputs = _capture(loaded, model, refs, example, autocast)  # type: ignore[arg-type]
+    outputs = _capture(loaded, model, refs, example, autocast, gather)  # type: ignore[arg-type]
+    if gather is not None:
+        gather.check(outputs)
     selection = TextSelection()
     batch = tuple(example["input_ids"].shape)
     reduce: dict[str, Pool | None] = {}
@@ -321,5 +331,5 @@ def setup_text_layers(
             check_batch(ref.name, outputs[ref.name], dtype, "in the set-up forward")
     return TextLayerSetup(
         pools, reduce, layouts, shapes, selection=selection, per_token=all(value == "none" for value in pools.values()),
-        model_pooling=applied,
+        model_pooling=applied, gather=gather,
     )  # fmt: skip

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 from accelerate import PartialState
@@ -52,4 +54,64 @@ def _not_connected(error: BaseException) -> ProcessGroupError:
         f"the processes of this job could not connect to each other ({cause[:200]}); another job, or processes "
         f"left over from one, may be using MASTER_PORT {port}: stop them, or launch with a free "
         "--main_process_port (torchrun: --master_port)"
+    )
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The job's processes as data parallel × tensor parallel: W processes in ``data_world`` groups of
+    ``tensor_parallel`` consecutive ranks. A group is one data rank: the plan, the writer and the store see
+    ``data_rank`` and ``data_world``, never the raw rank. ``group`` is the group's process group (None
+    without tensor parallelism); ``meshes`` are the device meshes transformers loads the model over."""
+
+    data_rank: int
+    data_world: int
+    tensor_rank: int = 0
+    tensor_parallel: int = 1
+    group: Any = None
+    meshes: Any = None  # models.hf_text.TensorMeshes: the dense and the expert mesh
+
+    @property
+    def writes(self) -> bool:
+        """One rank of each group stages and writes; the others run the forward and write nothing."""
+        return self.tensor_rank == 0
+
+    def record(self) -> dict[str, int]:
+        return {"data_parallel": self.data_world, "tensor_parallel": self.tensor_parallel}
+
+    def agree_to_stop(self, stopping: bool) -> bool:
+        """Whether any rank of the group stops now: its ranks run each forward together, so one that stops
+        alone would leave the others waiting in the forward's collectives."""
+        if self.group is None:
+            return stopping
+        flag = torch.tensor([int(stopping)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+
+def job_mesh(state: PartialState, tensor_parallel: int | None) -> Mesh:
+    """The mesh of ``--tensor-parallel N`` over this launch, refused in one line where N does not divide the
+    processes of each node (a group never spans nodes: its collectives run on every layer)."""
+    size = tensor_parallel or 1
+    world, rank = state.num_processes, state.process_index
+    if size == 1:
+        return Mesh(rank, world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if local % size or world % size:
+        raise ExtractError(
+            f"--tensor-parallel {size} does not divide the {local} processes of this node (of {world} in all); "
+            f"launch a multiple of {size} processes per node, or give a --tensor-parallel that divides {local}"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..models.hf_text import TensorMeshes
+
+    device = state.device.type
+    data = world // size
+    # transformers' own mesh names: its loader shards over "tp", and "dp_replicate" is data parallel
+    dense = init_device_mesh(device, (1, data, 1, size), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    expert = init_device_mesh(device, (1, data, size, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    tensor = dense["tp"]
+    return Mesh(
+        rank // size, data, tensor.get_local_rank(), size, tensor.get_group(), TensorMeshes(dense, expert, size)
     )

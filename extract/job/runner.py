@@ -22,6 +22,7 @@ from torch import nn
 from ..capture.hooks import Edit
 from ..capture.layers import resolve_layers
 from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
+from ..capture.sharded import group_gather
 from ..data import (
     LEGACY_SAVED_INDEX,
     SAVED_INDEX,
@@ -45,7 +46,7 @@ from ..store.life import StoreLife
 from ..store.location import Location
 from ..store.schema import JobParts
 from ..store.store import FeatureStore
-from .dist import process_state
+from .dist import Mesh, job_mesh, process_state
 from .image_loop import image_loop
 from .interrupt import PeerStopped, StopRequests
 from .launcher import watch_launcher
@@ -176,6 +177,7 @@ class _Job:
     plan: Plan
     attrs: dict[str, Any]
     text: TextJob | None = None
+    mesh: Mesh = field(default_factory=lambda: Mesh(0, 1))  # data parallel × tensor parallel: the data rank
 
     @property
     def kind(self) -> Kind:
@@ -197,19 +199,19 @@ class _Job:
         return raw + (self.model.saes.row_bytes() if self.model.saes is not None else 0)
 
 
-def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Job:
+def _prepare(spec: JobSpec, state: PartialState, mesh: Mesh, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
     _check_device_map(spec, state)
     # the data is listed before the model is built: a bad file or label is said in seconds, not after
     # the weights have loaded (the model's transform is given to the images afterwards)
     data = _data(spec, state, existing)
-    loaded, precision = _load_model(spec, state.device)
+    loaded, precision = _load_model(spec, state.device, mesh)
     # a wrong name (or an alias this model has no tensor for): refused before the forward
     refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases)
     # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns
     _attach_model(spec, state, data, loaded)
-    model = _set_up_layers(spec, state.device, loaded, refs, precision)
+    model = _set_up_layers(spec, state.device, loaded, refs, precision, mesh)
     model.saes = setup_saes(spec.sae, spec.sae_k, spec.sae_only, refs, model.layers, loaded.aliases, state.device)
     text = None
     if isinstance(data.dataset, TextSource):
@@ -218,8 +220,9 @@ def _prepare(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | N
     # the default depends on the kind of store, known from here; the identity and the store get the name
     spec = dataclasses.replace(spec, compressor=spec.store_compressor(text.kind if text else Kind.IMAGES, existing))
     rows = len(data.dataset) if text is None else text.rows
-    plan = _plan(spec, state, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
-    return _Job(spec, state, model, data, plan, _schema(spec, model, data, plan, text).attributes(), text)
+    plan = _plan(spec, mesh, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
+    attrs = _schema(spec, model, data, plan, text, mesh).attributes()
+    return _Job(spec, state, model, data, plan, attrs, text, mesh)
 
 
 def _check_device_map(spec: JobSpec, state: PartialState) -> None:
@@ -233,32 +236,42 @@ def _check_device_map(spec: JobSpec, state: PartialState) -> None:
         )
 
 
-def _load_model(spec: JobSpec, device: torch.device) -> tuple[LoadedModel, str]:
-    """The model as its source builds it, and the precision it computes in."""
+def _load_model(spec: JobSpec, device: torch.device, mesh: Mesh) -> tuple[LoadedModel, str]:
+    """The model as its source builds it (under tensor parallelism, this rank's shards of it), and the
+    precision it computes in."""
     precision = spec.precision or ("bf16" if device.type == "cuda" else "fp32")
     loaded = build_model(
         spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision,
-        device_map=spec.device_map,
+        device_map=spec.device_map, tensor_parallel=mesh.meshes,
     )  # fmt: skip
     if spec.device_map is not None and loaded.kind != "text":
         raise ExtractError(
             f"--device-map applies to hf: text models; --model {spec.model} is not one (drop --device-map)"
         )
+    if mesh.tensor_parallel > 1 and loaded.kind != "text":
+        raise ExtractError(
+            f"--tensor-parallel applies to hf: text models (transformers' own plans); --model {spec.model} is not "
+            "one (drop --tensor-parallel: each process holds the whole model)"
+        )
     return loaded, precision
 
 
 def _set_up_layers(
-    spec: JobSpec, device: torch.device, loaded: LoadedModel, refs: list[LayerRef], precision: str
+    spec: JobSpec, device: torch.device, loaded: LoadedModel, refs: list[LayerRef], precision: str, mesh: Mesh
 ) -> _Model:
     """The model on its device, with the layers ``refs`` set up by an example forward."""
     if loaded.kind == "text":  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
         autocast = contextlib.nullcontext()
-        # a dispatched model stays where accelerate put it; it takes its inputs on its embeddings' device
-        module = loaded.model if spec.device_map else loaded.model.to(device)
+        # a dispatched model stays where accelerate put it, a tensor-parallel one where its plan put its
+        # shards; it takes its inputs on its embeddings' device
+        placed = spec.device_map is not None or mesh.tensor_parallel > 1
+        module = loaded.model if placed else loaded.model.to(device)
         device = input_device(module)
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
+        gather = group_gather(module, refs, mesh.group, mesh.tensor_parallel) if mesh.group is not None else None
         text_layers = setup_text_layers(
-            loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling, dtype=getattr(torch, spec.dtype)
+            loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling, dtype=getattr(torch, spec.dtype),
+            gather=gather,
         )
         return _Model(
             loaded, module, refs, text_layers, loaded.preprocessing, precision, autocast, torch.contiguous_format
@@ -323,7 +336,7 @@ def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
 
 def _plan(
     spec: JobSpec,
-    state: PartialState,
+    mesh: Mesh,
     existing: Mapping[str, Any] | None,
     num_samples: int,
     shapes: Mapping[str, tuple[int, ...]],
@@ -336,11 +349,13 @@ def _plan(
     largest = max(math.prod(shape) for shape in shapes.values()) * getattr(torch, spec.dtype).itemsize
     resumed = existing.get("chunk_size") if existing and not spec.overwrite else None
     most = MAX_TOKEN_CHUNK_SIZE if tokens else MAX_CHUNK_SIZE
-    chunk_size = spec.chunk_size or resumed or default_chunk_size(num_samples, largest, state.num_processes, most)
+    chunk_size = spec.chunk_size or resumed or default_chunk_size(num_samples, largest, mesh.data_world, most)
     return Plan(num_samples, chunk_size)
 
 
-def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob | None = None) -> JobParts:
+def _schema(
+    spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob | None = None, mesh: Mesh | None = None
+) -> JobParts:
     """The job's parts as the store's schema takes them: plain values, no model or data source."""
     loaded, layers = model.loaded, model.layers
     text_parts = None
@@ -365,6 +380,7 @@ def _schema(spec: JobSpec, model: _Model, data: _Data, plan: Plan, text: TextJob
         precision=model.precision, versions=library_versions(loaded.source),
         image_root=None if data.dataset.image_root is None else str(data.dataset.image_root),
         saes=None if model.saes is None else model.saes.identity(),
+        tensor_parallel=1 if mesh is None else mesh.tensor_parallel,
     )  # fmt: skip
 
 
@@ -375,17 +391,18 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
         watch_launcher()
         state = process_state(spec.timeout)
+        mesh = job_mesh(state, spec.tensor_parallel)  # a --tensor-parallel that does not fit: before the lock
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
-            job = _prepare(spec, state, life.existing)
+            job = _prepare(spec, state, mesh, life.existing)
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite)
             if action == "complete":
                 return _already_complete(job, log)
             _announce(job, log)
             store = life.open(action, lambda writer: _create(job, life.location, writer))
             pending, shares = _share(job, life, store, resume=action == "resume", log=log)
-            summary = _extract(job, store, pending, shares[state.process_index], edit, stop, life.check_lock)
+            summary = _extract(job, store, pending, shares[mesh.data_rank], edit, stop, life.check_lock)
             life.finish(summary.record())
     if state.is_main_process:
         log(summary.line())
@@ -437,8 +454,8 @@ def _share(
         store.creation.rewrite_keys(pending, job.data.dataset.keys())
     if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
         store.creation.rewrite(job.text.arrays(), _keys(job.data.dataset), job.text.rewrite)
-    shares = assign(pending, job.state.num_processes)
-    life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]))
+    shares = assign(pending, job.mesh.data_world)  # a tensor-parallel group is one data rank
+    life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]), job.mesh.record())
     if main and resume:
         log(
             f"extract: resuming {job.spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
@@ -454,9 +471,11 @@ def _plan_line(job: _Job, pending: list[int]) -> str:
     plan, processes = job.plan, job.state.num_processes
     layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
     todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
+    mesh = job.mesh
+    groups = f" as {mesh.data_world} x {mesh.tensor_parallel} (data x tensor parallel)" if mesh.tensor_parallel > 1 else ""
     return (
         f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} {job.kind.rows} in {_count(plan.num_chunks, 'chunk')} of "
-        f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}; "
+        f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}{groups}; "
         f"{plan.num_samples * job.sample_bytes / 2**20:.1f} MiB before compression"
     )
 

@@ -454,6 +454,19 @@ class JobSpec:
             "big-model dispatch); launch one process per node",
         ),
     )
+    tensor_parallel: int | None = field(
+        default=None,
+        metadata=option(
+            metavar="N",
+            check=_at_least_one,
+            help="text: split the model over groups of N consecutive processes of one node with transformers' own "
+            "tensor-parallel plan; each group is one data-parallel rank (launch a multiple of N processes per node)",
+            reference="text: split the model over groups of N consecutive processes of one node, each rank holding "
+            "1/N of the weights (transformers' own tensor-parallel plan, loaded sharded). Each group is one "
+            "data-parallel rank: it owns whole chunks and one of its ranks writes them. N must divide the processes "
+            "per node; not with `--device-map`. See docs/large-models.md.",
+        ),
+    )
     tokens_per_batch: int | None = field(
         default=None,
         metadata=option(
@@ -504,6 +517,11 @@ class JobSpec:
                 declared.check(flag_of(f), value)
         if self.sae_only and not self.sae:
             raise ExtractError("--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH")
+        if self.tensor_parallel is not None and self.tensor_parallel > 1 and self.device_map is not None:
+            raise ExtractError(
+                f"--tensor-parallel {self.tensor_parallel} splits the model over a group of processes, --device-map "
+                f"{self.device_map} over one process's GPUs; give one of them"
+            )
         if self.pack is not None and self.context_length is not None and self.pack != self.context_length:
             raise ExtractError(
                 f"--pack {self.pack} makes contexts of {self.pack} tokens, but --context-length is "

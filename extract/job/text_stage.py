@@ -215,15 +215,15 @@ def text_loop(
 ) -> None:
     """The image loop's counterpart for text: token-budget batches of this rank's chunks
     (``TextBatches``), each forward's rows selected on the device and handed to the writer with each
-    token chunk's token rows. ``held()`` raises once the lock is lost."""
+    token chunk's token rows. ``held()`` raises once the lock is lost. Under tensor parallelism every rank of
+    a group runs the group's batches (the forward and the gathers are collectives over it), and only its
+    writing rank stages and writes them (``forward_only`` on the others)."""
     spec, text, layers = job.spec, job.text, job.model.layers
+    if not job.mesh.writes:
+        return forward_only(job, chunks, edit, stop, held)
     device = input_device(job.model.module)  # the process's device, or a dispatched model's first
     assert text is not None and isinstance(layers, TextLayerSetup)
-    rows = TokenRows(job.data.dataset, job.model.loaded, text.context_length, text.corpus)
-    batches = TextBatches.for_job(
-        text.offsets, rows, job.plan, chunks, per_token=text.per_token,
-        tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
-    )  # fmt: skip
+    batches = _batches(job, chunks)
     most = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
     saes = job.model.saes
     encoders = {} if saes is None else saes.encoders
@@ -236,12 +236,12 @@ def text_loop(
         with (
             Capture(
                 job.model.module, job.model.refs, reduce=layers.reduce, stop=spec.truncate, edit=edit,
-                sink=staging.stage,
+                sink=staging.stage, gather=layers.gather,
             ) as cap,
             torch.inference_mode(),
         ):  # fmt: skip
             for batch in batches:
-                if stop.signum is not None:
+                if job.mesh.agree_to_stop(stop.signum is not None):
                     break
                 held()
                 if isinstance(batch, ChunkColumns):
@@ -267,6 +267,43 @@ def text_loop(
     warn_infinite(writer.infinite)
     if stop.signum is not None:
         raise Interrupted(stop.signum, writer.chunks_written)
+
+
+def _batches(job: Any, chunks: list[int]) -> TextBatches:
+    text = job.text
+    rows = TokenRows(job.data.dataset, job.model.loaded, text.context_length, text.corpus)
+    return TextBatches.for_job(
+        text.offsets, rows, job.plan, chunks, per_token=text.per_token,
+        tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
+    )  # fmt: skip
+
+
+def forward_only(
+    job: Any, chunks: list[int], edit: Mapping[str, Edit] | None, stop: StopRequests, held: Callable[[], None]
+) -> None:
+    """A tensor-parallel rank that does not write: the same batches and forwards as its group's writer,
+    with the same captures (their gathers are collectives), nothing staged. It stops where its group stops."""
+    layers = job.model.layers
+    device = input_device(job.model.module)
+    stop.defer()
+    with (
+        Capture(
+            job.model.module, job.model.refs, reduce=layers.reduce, stop=job.spec.truncate, edit=edit,
+            sink=lambda name, value: None, gather=layers.gather,
+        ) as cap,
+        torch.inference_mode(),
+    ):  # fmt: skip
+        for batch in _batches(job, chunks):
+            if job.mesh.agree_to_stop(stop.signum is not None):
+                break
+            held()
+            if not isinstance(batch, TextBatch):  # written by the writer without a forward
+                continue
+            _select(layers, batch, device)
+            inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
+            job.model.loaded.call(cap.forward, inputs)
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, 0)
 
 
 def _select(layers: TextLayerSetup, batch: TextBatch, device: torch.device) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import platform
+from typing import Any
 
 import torch
 from torchvision import __version__ as torchvision_version  # the name torchvision is .torchvision here
@@ -41,13 +42,15 @@ def build_model(
     load_weights: bool = True,
     precision: str | None = None,
     device_map: str | None = None,
+    tensor_parallel: Any = None,
 ) -> LoadedModel:
     """The model in eval mode on the CPU, with its source's own preprocessing and a description of
     its weights. ``load_weights=False`` builds the architecture only and never downloads
     (``--list-layers``). ``precision`` (fp32 | bf16 | fp16) is the dtype text models load their
     weights in (None: fp32); image models stay in fp32 and ignore it. ``device_map`` ("auto") spreads a
     text model over the GPUs this process sees (everything on the CPU without one); other sources
-    refuse it."""
+    refuse it. ``tensor_parallel`` (``hf_text.TensorMeshes``) splits a text model over this rank's group with
+    transformers' own plan."""
     source, source_name = registry.resolve(name)
     load = load_weights and checkpoint is None
     request = ModelRequest(
@@ -59,6 +62,7 @@ def build_model(
         hub_offline=hub_offline(),
         precision=precision,
         device_map=device_map,
+        tensor_parallel=tensor_parallel,
     )
     torch.manual_seed(seed)
     loaded = source.build(source_name, request)

@@ -36,6 +36,7 @@ class ModelRequest:
     hub_offline: bool = False  # the Hugging Face hub is not reachable: read its cache only (see hub_offline())
     precision: str | None = None  # fp32 | bf16 | fp16: the dtype text models load their weights in (None: fp32)
     device_map: str | None = None  # "auto": a text model spread over the process's GPUs (accelerate big-model dispatch)
+    tensor_parallel: Any = None  # hf_text.TensorMeshes: a text model split over its group with transformers' plan
 
     @property
     def random_init(self) -> bool:

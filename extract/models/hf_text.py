@@ -439,6 +439,90 @@ def max_positions(config: Any) -> int | None:
     return None
 
 
+# the types named first where a model type has no tensor-parallel plan: the families users most often split
+KNOWN_PLANS = (
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text", "olmo2",
+    "olmoe", "phi3", "deepseek_v3", "gpt_oss",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorMeshes:
+    """The device meshes a tensor-parallel group loads its model over, named as transformers names them:
+    ``dense`` (pp, dp_replicate, fsdp, tp) and ``expert`` (pp, dp_replicate, efsdp, ep); ``size`` ranks per
+    group. ``dense["tp"]`` is this rank's group."""
+
+    dense: Any
+    expert: Any
+    size: int
+
+
+def tensor_parallel_types(config_mapping: Any = None) -> list[str]:
+    """The causal-LM model types whose configs carry a tensor-parallel plan (``base_model_tp_plan``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config_class = (config_mapping or CONFIG_MAPPING)[model_type]
+        except (KeyError, ImportError, AttributeError):  # a type whose config needs a package not installed
+            continue
+        if getattr(config_class, "base_model_tp_plan", None):
+            found.append(model_type)
+    return found
+
+
+def check_tensor_parallel(name: str, config: Any, request: ModelRequest) -> None:
+    """Refused before any weight loads: a model type without transformers' plan, and a random init (the
+    plan shards weights as ``from_pretrained`` loads them)."""
+    model_type = getattr(config, "model_type", "?")
+    size = request.tensor_parallel.size
+    if not getattr(config.get_text_config(), "base_model_tp_plan", None):
+        types = tensor_parallel_types()
+        named = [kind for kind in KNOWN_PLANS if kind in types]
+        more = len(types) - len(named)
+        raise ExtractError(
+            f"--tensor-parallel {size}: transformers has no tensor-parallel plan for model type '{model_type}' "
+            f"(hf:{name}); types with one: {', '.join(named)} and {more} more; use data parallel alone "
+            "(drop --tensor-parallel) or --device-map auto"
+        )
+    if not request.load_weights or request.weights.lower() == "none":
+        raise ExtractError(
+            f"--tensor-parallel {size} loads each rank's shard of the saved weights; --weights none makes them "
+            "in memory: save the model (save_pretrained) and load it with --weights DEFAULT"
+        )
+
+
+def load_tensor_parallel(auto: Any, source: str, meshes: TensorMeshes, **options: Any) -> Any:
+    """``from_pretrained`` under transformers' own tensor-parallel plan, each rank loading only its shards
+    (the model is made on the meta device, then each parameter is read as this rank's slice).
+
+    transformers 5 builds its device mesh from the world size (``initialize_distributed_mesh``) and takes
+    no mesh of ours (``device_mesh=`` is not read once ``distributed_config`` is given): with several
+    groups the world is D × N, so its own mesh would span them all. It is given our meshes, whose "tp"
+    dimension is this rank's group, for the length of the load; ``dp_replicate`` stays 1 in the config, so
+    no FSDP is applied (data parallel is the job's: each group runs its own batches)."""
+    from transformers.distributed import DistributedConfig, mixin
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    if not hasattr(mixin, "initialize_distributed_mesh"):
+        import transformers
+
+        raise ExtractError(
+            f"--tensor-parallel needs transformers' DistributedConfig loading (5.20 or newer); this is "
+            f"transformers {transformers.__version__}: pip install -U transformers"
+        )
+    device = meshes.dense.device_type
+    local = torch.device(device) if device == "cpu" else torch.device(device, torch.accelerator.current_device_index())
+    own = mixin.initialize_distributed_mesh
+    mixin.initialize_distributed_mesh = lambda config: (local, TransformersDeviceMesh(meshes.dense, meshes.expert))
+    try:
+        return auto.from_pretrained(source, distributed_config=DistributedConfig(tp_size=meshes.size), **options)
+    finally:
+        mixin.initialize_distributed_mesh = own
+
+
 def _dispatch(model: Any) -> Any:
     """A model made in memory (a random init) spread the way ``from_pretrained(device_map="auto")``
     spreads saved weights: accelerate's own device map over the visible GPUs, then its dispatch."""
@@ -467,9 +551,14 @@ def build(name: str, request: ModelRequest) -> TextModel:
     config = load_pretrained("the config", name, AutoConfig.from_pretrained, offline, TEXT_PARTS)
     sentence, looked = read_sentence_config(name, offline)  # before the weights: a bad file is said at once
     auto = text_model_class(config)
+    meshes = request.tensor_parallel
+    if meshes is not None:
+        check_tensor_parallel(name, config, request)
     if request.load_weights and request.weights.lower() == "default":
 
         def load(source: str, **options: Any) -> Any:
+            if meshes is not None:
+                return load_tensor_parallel(auto, source, meshes, dtype=dtype, **options)
             placed = {"device_map": request.device_map} if request.device_map else {}
             return auto.from_pretrained(source, dtype=dtype, **placed, **options)
 

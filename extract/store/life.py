@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -219,9 +219,12 @@ class StoreLife:
         self._done_before = int(self.store.done_flags().sum())
         return self.store
 
-    def begin_run(self, chunks_per_rank: list[int], hostnames: list[str]) -> None:
+    def begin_run(
+        self, chunks_per_rank: list[int], hostnames: list[str], mesh: Mapping[str, int] | None = None
+    ) -> None:
         """Append this run's record; a record still "running" belongs to a run that was killed (the lock
-        proves it is not running now)."""
+        proves it is not running now). ``chunks_per_rank`` is per data rank (a tensor-parallel group),
+        ``hostnames`` per process, ``mesh`` the data × tensor parallel sizes."""
         self._run_started = time.time()
         if not self.main:
             return
@@ -235,6 +238,7 @@ class StoreLife:
             "world_size": self.state.num_processes,
             "chunks_per_rank": chunks_per_rank,
             "hostnames": hostnames,
+            **({"mesh": dict(mesh)} if mesh is not None else {}),
             "seconds": None,
             "status": "running",
         }

@@ -96,6 +96,7 @@ class JobParts:
     text: Mapping[str, Any] | None = None
     model_pooling: Mapping[str, Any] | None = None  # --pool model: the pooling the model's files named, as applied
     saes: Mapping[str, Any] | None = None  # --sae: each layer's SAE (weights' sha256, k) and --sae-only
+    tensor_parallel: int = 1  # --tensor-parallel: a sum split over N ranks changes the last bits
 
     def identity(self) -> dict[str, Any]:
         """Everything that decides the stored values and their layout: a store is resumed only by a job
@@ -130,6 +131,8 @@ class JobParts:
             identity["model_pooling"] = dict(self.model_pooling)
         if self.saes is not None:  # the SAE decides the codes: a resume with another is refused
             identity["sae"] = dict(self.saes)
+        if self.tensor_parallel > 1:  # stores made on one device keep the identity they always had
+            identity["tensor_parallel"] = self.tensor_parallel
         return identity
 
     def attributes(self) -> dict[str, Any]:
