@@ -152,7 +152,15 @@ class StoreLife:
             action = "complete" if existing.get("status") == "complete" else "resume"
         else:
             before = existing.get("identity", {})
-            differs = [key for key in identity if before.get(key) != identity[key]] or ["fingerprint"]
+            keys = [*identity, *(key for key in before if key not in identity)]
+            differs = [key for key in keys if before.get(key) != identity.get(key)] or ["fingerprint"]
+            if differs == ["tensor_parallel"]:  # the same job on another mesh: its sums round otherwise
+                made, now = before.get("tensor_parallel", 1), identity.get("tensor_parallel", 1)
+                raise ExtractError(
+                    f"--out {self.out} was made with --tensor-parallel {made}, this run has {now}: a sum split over "
+                    "another number of ranks rounds differently, so the two would mix in one store; resume with "
+                    f"--tensor-parallel {made}, or pass --overwrite to start afresh"
+                )
             raise ExtractError(
                 f"--out {self.out} holds a different job (differs in: {', '.join(differs)}); "
                 "pass --overwrite to replace it, or choose another --out"

@@ -69,3 +69,29 @@ def assert_same_features(
         np.testing.assert_allclose(x, y, rtol=0, atol=atol)
     np.testing.assert_array_equal(a["labels"][:], b["labels"][:])
     assert a["done"][:].all()
+
+
+def all_arrays(location) -> dict[str, np.ndarray]:
+    group = zarr.open_group(location, mode="r")
+    return {name: member[:] for name, member in group.members(max_depth=None) if isinstance(member, zarr.Array)}
+
+
+def assert_same_bytes(location, reference) -> None:
+    """Every array of the two stores holds the same bytes (NaN rows included), and the digests recorded
+    at creation agree."""
+    ours, theirs = all_arrays(location), all_arrays(reference)
+    assert sorted(ours) == sorted(theirs)
+    for name, values in theirs.items():
+        got = ours[name]
+        assert got.dtype == values.dtype and got.shape == values.shape, name
+        if values.dtype.kind in "fiub":
+            same = np.array_equal(got.view(np.uint8), values.view(np.uint8))
+            if not same and values.dtype.kind == "f":
+                worst = np.nanmax(np.abs(got.astype(np.float64) - values))
+                raise AssertionError(f"{name} differs (by up to {worst:.3g})")
+            assert same, name
+        else:
+            assert (got == values).all(), name
+    group, reference_group = zarr.open_group(location, mode="r"), zarr.open_group(reference, mode="r")
+    assert group.attrs.get("document_digests") == reference_group.attrs.get("document_digests")
+    assert group.attrs["status"] == "complete"
