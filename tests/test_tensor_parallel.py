@@ -161,6 +161,9 @@ def test_two_groups_of_two_give_every_document_as_run_alone(corpus, launched, na
     assert run["world_size"] == 4 and run["mesh"] == {"data_parallel": 2, "tensor_parallel": 2}
     assert len(run["chunks_per_rank"]) == 2 and sum(run["chunks_per_rank"]) == group["done"].shape[0]
     assert group.attrs["identity"]["tensor_parallel"] == 2
+    # each rank holds about half the weights: the projections and the embeddings are split, the norms are not
+    whole = sum(p.nbytes for p in _model(corpus[2]).parameters())
+    assert all(0.5 * whole <= size <= 0.53 * whole for size in run["parameter_bytes"]), (run["parameter_bytes"], whole)
     # float32 sums split over 2 ranks: measured at most ~1e-7 of the layer's scale (1.5e-8 absolute)
     assert largest_difference(store, corpus[2]) <= 1e-5
 

@@ -455,7 +455,10 @@ def _share(
     if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
         store.creation.rewrite(job.text.arrays(), _keys(job.data.dataset), job.text.rewrite)
     shares = assign(pending, job.mesh.data_world)  # a tensor-parallel group is one data rank
-    life.begin_run([len(share) for share in shares], gather_object([socket.gethostname()]), job.mesh.record())
+    hosts = gather_object([(socket.gethostname(), parameter_bytes(job.model.module))])
+    life.begin_run(
+        [len(share) for share in shares], [host for host, _ in hosts], job.mesh.record(), [size for _, size in hosts]
+    )
     if main and resume:
         log(
             f"extract: resuming {job.spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
@@ -463,6 +466,13 @@ def _share(
     if main:
         log(_plan_line(job, pending))
     return pending, shares
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """The bytes of the parameters this process holds: under tensor parallelism, its shards alone."""
+    return sum(
+        (p.to_local() if hasattr(p, "to_local") else p).nbytes for p in module.parameters()  # a DTensor's shard
+    )
 
 
 def _plan_line(job: _Job, pending: list[int]) -> str:

@@ -228,11 +228,16 @@ class StoreLife:
         return self.store
 
     def begin_run(
-        self, chunks_per_rank: list[int], hostnames: list[str], mesh: Mapping[str, int] | None = None
+        self,
+        chunks_per_rank: list[int],
+        hostnames: list[str],
+        mesh: Mapping[str, int] | None = None,
+        parameter_bytes: list[int] | None = None,
     ) -> None:
         """Append this run's record; a record still "running" belongs to a run that was killed (the lock
         proves it is not running now). ``chunks_per_rank`` is per data rank (a tensor-parallel group),
-        ``hostnames`` per process, ``mesh`` the data × tensor parallel sizes."""
+        ``hostnames`` and ``parameter_bytes`` (the model's bytes each holds) per process, ``mesh`` the data ×
+        tensor parallel sizes."""
         self._run_started = time.time()
         if not self.main:
             return
@@ -247,6 +252,7 @@ class StoreLife:
             "chunks_per_rank": chunks_per_rank,
             "hostnames": hostnames,
             **({"mesh": dict(mesh)} if mesh is not None else {}),
+            **({"parameter_bytes": parameter_bytes} if parameter_bytes is not None else {}),
             "seconds": None,
             "status": "running",
         }
