@@ -41,12 +41,37 @@ TOKENS = ["--context-length", str(CONTEXT), "--chunk-size", "32", "--tokens-per-
 PACKED = ["--pack", "40", "--chunk-size", "48", "--tokens-per-batch", "120"]
 
 
+HIDDEN = "model.layers.0.mlp.down_proj@input"  # the MLP's hidden activation: sharded, gathered (width 64)
+SAE_K = 8
+SAE_HOOK = "blocks.0.mlp.hook_post"  # the same tensor by its TransformerLens name, as SAELens names its hook
+
+
+def _save_sae(path: Path) -> Path:
+    """A TopK SAE of the MLP's hidden activation, saved by SAELens, with random (seeded) weights."""
+    import sae_lens
+    from sae_lens.saes.sae import SAEMetadata
+
+    sae = sae_lens.TopKSAE(sae_lens.TopKSAEConfig(d_in=64, d_sae=96, k=SAE_K, metadata=SAEMetadata(hook_name=SAE_HOOK)))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for parameter in sae.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    sae.save_model(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-corpus")
     documents = list(real_documents(36, seed=5))
     write_jsonl(root / "docs.jsonl", documents, label=[i % 3 for i in range(len(documents))])
     return root, documents, save_text_model("llama", root / "llama"), save_text_model("gpt2", root / "gpt2")
+
+
+@pytest.fixture(scope="module")
+def sae(tmp_path_factory):
+    pytest.importorskip("sae_lens")
+    return _save_sae(tmp_path_factory.mktemp("tp-sae") / "sae")
 
 
 def job(corpus, out, *options, layers=LAYERS, tensor_parallel="2"):
@@ -58,7 +83,7 @@ def job(corpus, out, *options, layers=LAYERS, tensor_parallel="2"):
 
 
 @pytest.fixture(scope="module")
-def launched(corpus, tmp_path_factory):
+def launched(corpus, sae, tmp_path_factory):
     four_folder, two_folder = tmp_path_factory.mktemp("tp-four"), tmp_path_factory.mktemp("tp-two")
     killed = four_folder / "killed.zarr"
     gpt2 = corpus[3]
@@ -66,6 +91,7 @@ def launched(corpus, tmp_path_factory):
         "tokens": job(corpus, four_folder / "tokens.zarr", *TOKENS),
         "packed": job(corpus, four_folder / "packed.zarr", *PACKED),
         "pooled": job(corpus, four_folder / "pooled.zarr", *TOKENS, "--pool", "mean"),
+        "sae": job(corpus, four_folder / "sae.zarr", *PACKED, "--sae", f"{SAE_HOOK}={sae}", layers=[SAE_HOOK]),
         "three": job(corpus, four_folder / "three.zarr", *TOKENS, tensor_parallel="3"),
         "activation": job(corpus, four_folder / "act.zarr", *TOKENS, layers=["model.layers.0.mlp.act_fn"]),
         "no_plan": ["--model", f"hf:{gpt2}", "--layers", "transformer.h.0", "--data", f"text:{corpus[0] / 'docs.jsonl'}",
@@ -259,3 +285,32 @@ def test_what_cannot_be_split_is_refused_in_one_line(launched, name, says):
     for words in says:
         assert words in line, line
 
+
+def test_sae_codes_and_the_saelens_export_of_a_tensor_parallel_store(corpus, sae, launched, tmp_path):
+    """--sae encodes the gathered hidden activation on the writing rank: its codes are SAELens's encode of
+    the stored rows, top-k by numpy; the packed store exports to SAELens's cache with the store's rows."""
+    import datasets
+    from helpers.saes import top_k_codes
+    from sae_lens import SAE
+
+    from extract.cli.export import main as export_main
+
+    result = launched["four"].result("sae")
+    assert result.codes == [0, 0, 0, 0], result.stderr[-3000:]
+    store = launched["four"].folder / "sae.zarr"
+    group = zarr.open_group(store, mode="r")
+    rows = group[f"features/{SAE_HOOK}"][:]
+    np.testing.assert_array_equal(rows, open_features(launched["four"].folder / "packed.zarr").load(HIDDEN))
+    with torch.no_grad():
+        dense = SAE.load_from_disk(sae).encode(torch.from_numpy(rows)).numpy()
+    indices, values = top_k_codes(dense, SAE_K)
+    np.testing.assert_array_equal(group[f"latents/{SAE_HOOK}/indices"][:], indices)
+    np.testing.assert_array_equal(group[f"latents/{SAE_HOOK}/values"][:], values.astype(np.float16))
+
+    packed = launched["four"].folder / "packed.zarr"
+    assert export_main([str(packed), "--to", "saelens", str(tmp_path / "cache"), "--layer", HIDDEN]) == 0
+    features = open_features(packed)
+    contexts, size = features.pack["contexts"], features.pack["context_length"]
+    cache = datasets.load_from_disk(str(tmp_path / "cache")).with_format("numpy")
+    np.testing.assert_array_equal(cache[HIDDEN][:], features.load(HIDDEN).reshape(contexts, size, 64))
+    np.testing.assert_array_equal(cache["token_ids"][:], features.token_ids.reshape(contexts, size))
