@@ -108,13 +108,36 @@ def launched(corpus, sae, tmp_path_factory):
     os.kill(rank_pids(launch.pid, program=b"job_sequence.py")[-1], signal.SIGKILL)
     launch.communicate(timeout=120)
     done_before = int(zarr.open_group(killed, mode="r")["done"][:].sum())
-    two = Sequence(
-        2, {"one_group": job(corpus, two_folder / "tokens.zarr", *TOKENS), "resumed": job(corpus, killed, *TOKENS)},
-        two_folder,
-    )  # fmt: skip
-    finished = two.run(timeout=600)
+    termed = two_folder / "termed.zarr"
+    two_jobs = {
+        "one_group": job(corpus, two_folder / "tokens.zarr", *TOKENS),
+        "resumed": job(corpus, killed, *TOKENS),
+        "termed": job(corpus, termed, *TOKENS),
+    }
+    two = Sequence(2, two_jobs, two_folder)
+    launch = two.start()
+    term_at = random.Random().randint(3, 30)
+    while not ((termed / "done" / "c").is_dir() and len(os.listdir(termed / "done" / "c")) >= term_at):
+        assert launch.poll() is None and time.time() < deadline + 300, launch.stderr.read()[-3000:]
+        time.sleep(0.01)
+    # the rank that does not write: the launcher, told by it, stops the group's writer too
+    os.kill(_rank(launch.pid, 1), signal.SIGTERM)
+    launch.communicate(timeout=300)
+    again = Sequence(2, {"termed_resumed": job(corpus, termed, *TOKENS)}, tmp_path_factory.mktemp("tp-again"))
+    finished = again.run(timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    return {"four": four, "two": two, "killed": killed, "done_before": done_before}
+    return {
+        "four": four, "two": two, "again": again, "killed": killed, "done_before": done_before, "termed": termed,
+    }  # fmt: skip
+
+
+def _rank(launcher: int, rank: int) -> int:
+    """The process of ``rank`` under the launcher (its RANK variable)."""
+    for pid in rank_pids(launcher, program=b"job_sequence.py"):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return pid
+    raise AssertionError(f"no rank {rank} under {launcher}")
 
 
 def alone(model_dir: Path, ids: list[int]) -> dict[str, np.ndarray]:
@@ -228,6 +251,20 @@ def test_a_killed_group_resumed_gives_the_bytes_of_the_uninterrupted_run(launche
     assert 0 < launched["done_before"] < zarr.open_group(out, mode="r")["done"].shape[0]
     assert f"{launched['done_before']} of" in result.stderr and "resuming" in result.stderr
     assert_same_bytes(out, launched["four"].folder / "tokens.zarr")
+
+
+def test_sigterm_to_the_rank_that_does_not_write_stops_its_group_and_the_rerun_gives_the_same_bytes(launched):
+    termed = launched["two"].result("termed")
+    assert termed.codes == [128 + signal.SIGTERM] * 2, termed.stderr[-3000:]
+    assert "interrupted by SIGTERM" in termed.stderr
+    group = zarr.open_group(launched["termed"], mode="r")
+    assert group.attrs["runs"][0]["status"] == "interrupted"
+    stopped_at = int(group["done"][:].sum())
+    resumed = launched["again"].result("termed_resumed")
+    assert resumed.codes == [0, 0], resumed.stderr[-3000:]
+    assert "resuming" in resumed.stderr, resumed.stderr[-3000:]
+    assert stopped_at != 0
+    assert_same_bytes(launched["termed"], launched["four"].folder / "tokens.zarr")
 
 
 def test_a_resume_with_another_tensor_parallel_size_is_refused(corpus, launched, capsys):

@@ -79,14 +79,15 @@ class Mesh:
     def record(self) -> dict[str, int]:
         return {"data_parallel": self.data_world, "tensor_parallel": self.tensor_parallel}
 
-    def agree_to_stop(self, stopping: bool) -> bool:
-        """Whether any rank of the group stops now: its ranks run each forward together, so one that stops
-        alone would leave the others waiting in the forward's collectives."""
+    def agree_to_stop(self, signum: int | None) -> int | None:
+        """The signal that stops this rank's group now, if any rank of it has one (``signum`` is this
+        rank's): its ranks run each forward together, so one that stopped alone would leave the others
+        waiting in the forward's collectives."""
         if self.group is None:
-            return stopping
-        flag = torch.tensor([int(stopping)])
+            return signum
+        flag = torch.tensor([signum or 0])
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return int(flag.item()) or None
 
 
 def job_mesh(state: PartialState, tensor_parallel: int | None) -> Mesh:

@@ -232,6 +232,7 @@ def text_loop(
     codes = None if saes is None else saes.codes()
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads, codes=codes)
     stop.defer()
+    stopped = None  # the signal that stopped this rank, or a rank of its tensor-parallel group
     try:
         with (
             Capture(
@@ -241,7 +242,8 @@ def text_loop(
             torch.inference_mode(),
         ):  # fmt: skip
             for batch in batches:
-                if job.mesh.agree_to_stop(stop.signum is not None):
+                stopped = job.mesh.agree_to_stop(stop.signum)
+                if stopped is not None:
                     break
                 held()
                 if isinstance(batch, ChunkColumns):
@@ -260,13 +262,14 @@ def text_loop(
                 staging.seal(slot)
                 writer.submit_rows(slot, batch.rows)
                 forwarded(len(batch.rows))
-        writer.close(complete=stop.signum is None)
+        stopped = stopped or stop.signum
+        writer.close(complete=stopped is None)
     except BaseException:
         writer.abort()
         raise
     warn_infinite(writer.infinite)
-    if stop.signum is not None:
-        raise Interrupted(stop.signum, writer.chunks_written)
+    if stopped is not None:
+        raise Interrupted(stopped, writer.chunks_written)
 
 
 def _batches(job: Any, chunks: list[int]) -> TextBatches:
@@ -294,7 +297,8 @@ def forward_only(
         torch.inference_mode(),
     ):  # fmt: skip
         for batch in _batches(job, chunks):
-            if job.mesh.agree_to_stop(stop.signum is not None):
+            stopped = job.mesh.agree_to_stop(stop.signum)
+            if stopped is not None:
                 break
             held()
             if not isinstance(batch, TextBatch):  # written by the writer without a forward
@@ -302,8 +306,10 @@ def forward_only(
             _select(layers, batch, device)
             inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
             job.model.loaded.call(cap.forward, inputs)
-    if stop.signum is not None:
-        raise Interrupted(stop.signum, 0)
+        else:
+            stopped = stop.signum
+    if stopped is not None:
+        raise Interrupted(stopped, 0)
 
 
 def _select(layers: TextLayerSetup, batch: TextBatch, device: torch.device) -> None:
