@@ -20,6 +20,7 @@ from ..names.layers import LayerRef, closest
 from ..names.pooling import Pool
 from .layers import module_input, resolve_layers, select, select_input
 from .layout import shape_tree
+from .moe import pack_routing, router_name
 
 Sink = Callable[[str, torch.Tensor], None]
 Gather = Callable[[str, torch.Tensor], torch.Tensor]  # a layer's captured slice -> the whole tensor (``sharded``)
@@ -118,16 +119,20 @@ class Capture:
                 )
         outputs: dict[str, list[LayerRef]] = {}
         inputs: dict[str, list[LayerRef]] = {}
+        routers: dict[str, list[LayerRef]] = {}
         for ref in self.refs:
             if ref.module not in modules:
                 raise ExtractError(f"layer '{ref.name}' names module '{ref.module}', which does not exist; "
                                    f"closest: {closest(ref.module, list(modules))}")  # fmt: skip
-            (inputs if ref.input else outputs).setdefault(ref.module, []).append(ref)
+            kind = routers if ref.router else inputs if ref.input else outputs
+            kind.setdefault(ref.module, []).append(ref)
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._new_forward))
             for name, refs in inputs.items():
                 hook = self._make_input_hook(name, refs)
                 self._handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+            for block, refs in routers.items():
+                self._hook_router(modules, block, refs)
             for name in dict.fromkeys([*outputs, *self.edit]):
                 hook = self._make_hook(name, outputs.get(name, []), self.edit.get(name))
                 self._handles.append(modules[name].register_forward_hook(hook))
@@ -193,6 +198,30 @@ class Capture:
                 raise StopForward
 
         return hook
+
+    def _hook_router(self, modules: Mapping[str, nn.Module], block: str, refs: list[LayerRef]) -> None:
+        """``BLOCK@router``: the block's input tells its tokens' shape (B, T), which the router sees
+        flattened; the router's output is packed per token (``extract.capture.moe``)."""
+        site = refs[0].site
+        lead: list[torch.Size] = []
+
+        def shape(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            lead[:] = [select_input(module_input(args, kwargs), refs[0], kwargs).shape[:-1]]
+
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            self._count(site, block, refs)
+            packed = pack_routing(output, lead[0], refs[0].name)
+            if self.retain != "output":  # what is stored of it: the logits, a row per token
+                self._retain(site, refs, output if self.retain == "reference" else packed[..., : output[0].shape[-1]])
+                return
+            for ref in refs:
+                self._keep(ref, packed)
+            if self.stop and not self.missing():
+                raise StopForward
+
+        router = modules[router_name(self.model, block)]
+        self._handles.append(modules[block].register_forward_pre_hook(shape, with_kwargs=True))
+        self._handles.append(router.register_forward_hook(hook))
 
     def _make_hook(self, name: str, refs: list[LayerRef], edit: Edit | None) -> Callable[..., Any]:
         def hook(module: nn.Module, inputs: Any, output: Any) -> Any:

@@ -14,22 +14,24 @@ import torch
 from torch import nn
 
 from ..errors import ExtractError, LayerNotFoundError
-from ..names.layers import INPUT_SUFFIX, LayerRef, closest, matches_glob, shape_text
+from ..names.layers import INPUT_SUFFIX, ROUTER_SUFFIX, LayerRef, closest, matches_glob, shape_text
 from .lens import LENS_HINT
 
 INPUT_KEYWORD = "hidden_states"  # the keyword transformers passes a block's or an attention's input by
 
 
-def _split_input(pattern: str) -> tuple[str, bool]:
-    """``NAME@input`` -> (NAME, True); a pattern without ``@`` -> (pattern, False)."""
+def _split_site(pattern: str) -> tuple[str, str]:
+    """``NAME@input`` -> (NAME, "@input"), ``NAME@router`` -> (NAME, "@router"); a pattern without ``@``
+    -> (pattern, "")."""
     module, at, site = pattern.partition("@")
     if not at:
-        return pattern, False
-    if f"@{site}" != INPUT_SUFFIX or ":" in module:
+        return pattern, ""
+    if f"@{site}" not in (INPUT_SUFFIX, ROUTER_SUFFIX) or ":" in module:
         raise ExtractError(
-            f"layer '{pattern}': '@' spells a module's input, NAME{INPUT_SUFFIX} (one tensor: no ':' selector)"
+            f"layer '{pattern}': '@' spells a module's input, NAME{INPUT_SUFFIX}, or a mixture-of-experts block's "
+            f"routing, BLOCK{ROUTER_SUFFIX} (one tensor: no ':' selector)"
         )
-    return module, True
+    return module, f"@{site}"
 
 
 def _split_selector(pattern: str) -> tuple[str, int | str | None]:
@@ -80,16 +82,17 @@ def resolve_layers(
             raise LayerNotFoundError(
                 f"layer '{pattern}': {absent[pattern]}; closest: {closest(pattern, list(aliases))}"
             )
-        module_pattern, is_input = _split_input(pattern)
+        module_pattern, suffix = _split_site(pattern)
         module_pattern, selector = _split_selector(module_pattern)
         if any(c in module_pattern for c in "*?["):
             found = [n for n in names if matches_glob(module_pattern, n)]
         else:
             found = [module_pattern] if module_pattern in names else []
         if not found:
-            suffix = INPUT_SUFFIX if is_input else ""
             raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases), suffix))
-        refs.extend(LayerRef(n, selector, input=is_input) for n in found)
+        refs.extend(
+            LayerRef(n, selector, input=suffix == INPUT_SUFFIX, router=suffix == ROUTER_SUFFIX) for n in found
+        )
     order = {n: i for i, n in enumerate(names)}
     unique = dict.fromkeys(sorted(refs, key=lambda r: (order[r.module], not r.input, r.alias is not None)))
     return list(unique)

@@ -156,6 +156,11 @@ class SaeEncoder:
     dtype: str
     own_k: int | None  # a top-k SAE's k
     block_codes: int = BLOCK_CODES
+    values_dtype: str = "float16"  # the stored codes
+
+    def raw(self, rows: torch.Tensor) -> torch.Tensor:
+        """The layer's rows as stored beside the codes: themselves."""
+        return rows
 
     def describe(self) -> dict[str, Any]:
         """What a store records of the SAE."""

@@ -21,6 +21,7 @@ from .cast import check_batch
 from .hooks import Capture
 from .layers import describe
 from .layout import infer_layout, selected_shape
+from .moe import moe_blocks
 from .sharded import GroupGather
 from .tokens import TextReduce, TextSelection
 
@@ -192,11 +193,14 @@ def list_layers(
     layouts; see ``extract.capture.layout``): images, or a mapping of text inputs (a larger one has
     more tokens)."""
     modules = dict(model.named_modules())
+    blocks = set(moe_blocks(model))
     listed: list[tuple[str, LayerRef, str]] = []
     for name, module in modules.items():
         if name:
             listed += [(name, LayerRef(name), type(module).__name__)]
             listed += [(LayerRef(name, input=True).name, LayerRef(name, input=True), type(module).__name__)]
+            if name in blocks:  # its routing: the logits stored per token, beside the experts and weights
+                listed += [(LayerRef(name, router=True).name, LayerRef(name, router=True), "routing")]
     sites = [ref for _, ref, _ in listed]
     try:
         small = output_shapes(model, run, example, sites)

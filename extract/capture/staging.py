@@ -17,6 +17,7 @@ from ..names.latents import indices_path, values_path
 from . import cast
 
 if TYPE_CHECKING:
+    from .moe import RouterCodes
     from .sae import LatentStats, SaeEncoder
 
 
@@ -62,7 +63,7 @@ class HostStaging:
         dtype: torch.dtype,
         device: torch.device,
         slots: int = 4,
-        encoders: Mapping[str, SaeEncoder] | None = None,
+        encoders: Mapping[str, SaeEncoder | RouterCodes] | None = None,
     ) -> None:
         self.encoders = dict(encoders or {})
         self.segments: list[tuple[int, int, int]] = []
@@ -79,7 +80,8 @@ class HostStaging:
                 for name, shape in shapes.items()
             }
             for layer, encoder in self.encoders.items():
-                for path, code_dtype in ((indices_path(layer), torch.int32), (values_path(layer), torch.float16)):
+                values_dtype = getattr(torch, encoder.values_dtype)
+                for path, code_dtype in ((indices_path(layer), torch.int32), (values_path(layer), values_dtype)):
                     buffers[path] = torch.empty((batch_size, encoder.k), dtype=code_dtype, pin_memory=self.cuda)
             peaks = {name: torch.zeros((), dtype=torch.float32, pin_memory=self.cuda) for name in shapes}
             self._free.put(Slot(buffers, peaks))
@@ -109,6 +111,7 @@ class HostStaging:
             self._encode(slot, name, value)
             if name not in slot.buffers:  # --sae-only
                 return
+            value = self.encoders[name].raw(value)  # a router's packed rows: its logits
         target = slot.buffers[name][: value.shape[0]]
         peak = cast.finite_peak(value) if value.numel() and cast.narrows(value.dtype, self.dtype) else None
         if peak is not None:
@@ -139,7 +142,7 @@ class HostStaging:
         encoder = self.encoders[name]
         rows = value.to(getattr(torch, encoder.dtype))
         indices = torch.empty((len(rows), encoder.k), dtype=torch.int32, device=rows.device)
-        values = torch.empty((len(rows), encoder.k), dtype=torch.float16, device=rows.device)
+        values = torch.empty((len(rows), encoder.k), dtype=getattr(torch, encoder.values_dtype), device=rows.device)
         stats = slot.latent_stats.setdefault(name, {})
         for chunk, first, end in self.segments:
             stats[chunk] = encoder.new_stats(rows.device)

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..capture.hooks import Edit
 from ..capture.layers import resolve_layers
+from ..capture.moe import check_moe_layers
 from ..capture.setup import LayerSetup, TextLayerSetup, list_layers, setup_layers, setup_text_layers
 from ..capture.sharded import group_gather
 from ..data import (
@@ -53,6 +54,7 @@ from .launcher import watch_launcher
 from .memory import keep_freed_memory
 from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, assign, default_chunk_size
 from .progress import JobProgress
+from .routing import setup_routing, with_routing
 from .saes import JobSaes, setup_saes
 from .spec import JobSpec
 from .text_stage import TextJob, prepare_text, text_loop
@@ -208,11 +210,14 @@ def _prepare(spec: JobSpec, state: PartialState, mesh: Mesh, existing: Mapping[s
     loaded, precision = _load_model(spec, state.device, mesh)
     # a wrong name (or an alias this model has no tensor for): refused before the forward
     refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases)
+    check_moe_layers(loaded.model, refs)  # an expert's own output has no row per token
     # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns
     _attach_model(spec, state, data, loaded)
     model = _set_up_layers(spec, state.device, loaded, refs, precision, mesh)
-    model.saes = setup_saes(spec.sae, spec.sae_k, spec.sae_only, refs, model.layers, loaded.aliases, state.device)
+    routing = setup_routing(loaded.model, refs, model.layers)
+    saes = setup_saes(spec.sae, spec.sae_k, spec.sae_only, refs, model.layers, loaded.aliases, state.device)
+    model.saes = with_routing(saes, routing)
     text = None
     if isinstance(data.dataset, TextSource):
         assert isinstance(model.layers, TextLayerSetup)

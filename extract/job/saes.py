@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..capture.moe import RouterCodes
 from ..capture.sae import WEIGHTS, SaeEncoder, load_sae
 from ..capture.setup import LayerSetup, TextLayerSetup
 from ..errors import ExtractError
@@ -25,37 +26,49 @@ from ..names.layers import LayerRef
 
 @dataclass
 class JobSaes:
-    """The SAE of each ``--sae`` layer (by the layer's stored name), and whether the raw rows are dropped."""
+    """The layers stored with sparse codes, by the layer's stored name: the SAE of each ``--sae`` layer, and
+    the routing of each ``BLOCK@router`` layer (``extract.capture.moe``); whether the SAE layers' raw rows
+    are dropped (``--sae-only``: a router's logits are always kept)."""
 
-    encoders: dict[str, SaeEncoder]
+    encoders: dict[str, SaeEncoder | RouterCodes]
     only: bool
-    sha256: dict[str, str]
+    sha256: dict[str, str]  # each SAE's weights
 
     def records(self) -> dict[str, dict[str, Any]]:
         """What each ``latents/<layer>`` group records (``extract.store.latents.DESCRIPTION``)."""
-        return {
-            layer: {
-                "d_sae": e.d_sae, "k": e.k, "hook_name": e.hook_name, "architecture": e.architecture,
-                "sae_path": str(e.path), "sae_sha256": self.sha256[layer],
-            }
-            for layer, e in self.encoders.items()
-        }  # fmt: skip
+        records: dict[str, dict[str, Any]] = {}
+        for layer, e in self.encoders.items():
+            common = {"d_sae": e.d_sae, "k": e.k, "architecture": e.architecture, "values_dtype": e.values_dtype}
+            if isinstance(e, RouterCodes):
+                records[layer] = {**common, "hook_name": e.router, "sae_path": None, "sae_sha256": None}
+            else:
+                records[layer] = {**common, "hook_name": e.hook_name, "sae_path": str(e.path),
+                                  "sae_sha256": self.sha256[layer]}  # fmt: skip
+        return records
 
     def identity(self) -> dict[str, Any]:
-        """What decides the stored codes: each SAE's weights and k, and whether the raw rows are kept."""
-        layers = {layer: {"sae_sha256": self.sha256[layer], "k": e.k} for layer, e in self.encoders.items()}
+        """What decides the stored codes: each SAE's weights and k (a router's: the model's own), and
+        whether the raw rows are kept."""
+        layers = {
+            layer: {"router": e.router, "k": e.k} if isinstance(e, RouterCodes) else {"sae_sha256": self.sha256[layer], "k": e.k}
+            for layer, e in self.encoders.items()
+        }  # fmt: skip
         return {"layers": layers, "only": self.only}
 
-    def codes(self) -> dict[str, tuple[int, int]]:
-        """Each layer's (k, d_sae), as the writer takes them."""
-        return {layer: (e.k, e.d_sae) for layer, e in self.encoders.items()}
+    def codes(self) -> dict[str, tuple[int, int, str]]:
+        """Each layer's (k, d_sae, values dtype), as the writer takes them."""
+        return {layer: (e.k, e.d_sae, e.values_dtype) for layer, e in self.encoders.items()}
 
     def row_bytes(self) -> int:
-        return sum(6 * e.k for e in self.encoders.values())  # int32 index + float16 value per code
+        """Bytes per row of the codes: an int32 index and a value per code."""
+        return sum((4 + getattr(torch, e.values_dtype).itemsize) * e.k for e in self.encoders.values())
 
     def stored(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The layers stored raw: all but the SAE layers under ``--sae-only``."""
-        return {name: shape for name, shape in shapes.items() if not (self.only and name in self.encoders)}
+        return {name: shape for name, shape in shapes.items() if not (self.only and self._sae(name))}
+
+    def _sae(self, name: str) -> bool:
+        return isinstance(self.encoders.get(name), SaeEncoder)
 
 
 def setup_saes(

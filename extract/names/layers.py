@@ -14,13 +14,17 @@ from fnmatch import fnmatchcase
 # already selects an element of an output (``NAME:0``, ``NAME:key``), and a dict output may well
 # have a key "input"; no module name of PyTorch, timm or transformers holds an ``@``.
 INPUT_SUFFIX = "@input"
+# ``BLOCK@router``: each token's routing in mixture-of-experts block BLOCK, as its router gives it (the
+# logits over the experts, and the top-k experts with their weights); ``extract.capture.moe``.
+ROUTER_SUFFIX = "@router"
 
 
 @dataclass(frozen=True)
 class LayerRef:
     """One captured tensor: ``module`` is a name from ``named_modules()``; ``input`` says it is what
     the module receives (its first positional argument, else its ``hidden_states`` keyword), not
-    what it returns; ``selector`` picks an element of a tuple/list (an index) or dict (a key)
+    what it returns; ``router`` says it is the routing of mixture-of-experts block ``module`` (its
+    router's logits, top-k experts and weights, ``extract.capture.moe``); ``selector`` picks an element of a tuple/list (an index) or dict (a key)
     output; ``alias`` is the source's name for it (``hidden_states.3``, ``blocks.3.hook_resid_pre``),
     when it was asked for by that. ``name`` is how the store calls it, ``target`` what it resolved to."""
 
@@ -28,17 +32,22 @@ class LayerRef:
     selector: int | str | None = None
     alias: str | None = None
     input: bool = False
+    router: bool = False
 
     @property
     def target(self) -> str:
-        """``module``, ``module:selector`` or ``module@input``: the tensor itself, whatever it is called."""
-        if self.input:
-            return f"{self.module}{INPUT_SUFFIX}"
+        """``module``, ``module:selector``, ``module@input`` or ``module@router``: the tensor itself, whatever
+        it is called."""
+        if self.input or self.router:
+            return self.site
         return self.module if self.selector is None else f"{self.module}:{self.selector}"
 
     @property
     def site(self) -> str:
-        """Where a hook sees it: the module's output (``module``) or its input (``module@input``)."""
+        """Where a hook sees it: the module's output (``module``), its input (``module@input``) or its
+        router's output (``module@router``)."""
+        if self.router:
+            return f"{self.module}{ROUTER_SUFFIX}"
         return f"{self.module}{INPUT_SUFFIX}" if self.input else self.module
 
     @property

@@ -432,6 +432,12 @@ class Features:
         ``features.stats("latents/" + layer)`` each latent's statistics (``extract.read.latents``)."""
         return sae_codes.codes_of(self, layer).matrix(rows, as_torch, dtype)
 
+    def codes(self, layer: str, rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """Layer ``layer``'s codes of the consecutive rows ``rows``, as stored: (indices (n, k) int32, -1
+        past a row's codes; values (n, k)). For ``BLOCK@router``, each token's experts and their weights."""
+        start, stop, _ = rows.indices(self.num_samples)
+        return sae_codes.codes_of(self, layer).read(start, stop)
+
     def latent(self, layer: str, index: int) -> np.ndarray:
         """(N,) float32: latent ``index`` of layer ``layer``'s SAE codes on every row, 0 where it is not
         active; read chunk by chunk, never the whole code matrix."""

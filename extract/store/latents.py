@@ -1,7 +1,9 @@
 """A token store's sparse SAE codes (``--sae LAYER=PATH``, issue 32; layout in docs/store-format.md).
 
     latents/<layer>/indices    (N, k) int32, chunks (C, k), fill -1: each row's k largest active latents
-    latents/<layer>/values     (N, k) float16, chunks (C, k), fill 0: their codes (0 where the index is -1)
+    latents/<layer>/values     (N, k) float16, chunks (C, k), fill 0: their codes (0 where the index is -1);
+                               float32 for a mixture-of-experts block's routing (``BLOCK@router``: the
+                               experts' ids and weights, architecture ``router``)
     stats/latents/<layer>      (K, 3 + 3 * d_sae) float64, one row per chunk (one object each)
 
 The group ``latents/<layer>`` says what made them (attrs ``d_sae``, ``k``, ``hook_name``,
@@ -36,7 +38,7 @@ ATTRIBUTE = "latents"  # the root attribute: {layer: the group's attrs}
 HEAD = ("rows", "rows_over_k", "dropped_mass")  # then count, sum, max: (d_sae,) each
 PER_LATENT = ("count", "sum", "max")
 # the group's attrs, which a job records for each SAE
-DESCRIPTION = ("d_sae", "k", "hook_name", "architecture", "sae_path", "sae_sha256")
+DESCRIPTION = ("d_sae", "k", "hook_name", "architecture", "sae_path", "sae_sha256", "values_dtype")
 
 
 def row_arrays(layers: Iterable[str]) -> list[str]:
@@ -92,8 +94,9 @@ def create(root: zarr.Group, latents: Mapping[str, Mapping[str, Any]], num_sampl
     paths = []
     for layer, description in latents.items():
         k, d_sae = int(description["k"]), int(description["d_sae"])
-        codes = group.create_group(layer, attributes={key: description[key] for key in DESCRIPTION})
-        for name, dtype, fill in (("indices", "int32", -1), ("values", "float16", 0)):
+        codes = group.create_group(layer, attributes={key: description.get(key) for key in DESCRIPTION})
+        values_dtype = description.get("values_dtype", "float16")
+        for name, dtype, fill in (("indices", "int32", -1), ("values", values_dtype, 0)):
             codes.create_array(
                 name, shape=(num_samples, k), chunks=(chunk_size, k), dtype=dtype, fill_value=fill,
                 compressors=checked(codecs("zstd")), dimension_names=("token", f"{layer}.latent_rank"),
@@ -113,7 +116,7 @@ class ChunkCodes:
     """One chunk's codes of one layer, as the writer hands them to the store."""
 
     indices: np.ndarray  # (rows, k) int32
-    values: np.ndarray  # (rows, k) float16
+    values: np.ndarray  # (rows, k) float16 (float32: routing weights)
     stats: dict[str, np.ndarray]  # merged ``LatentStats.numpy()`` of the chunk's rows
 
 

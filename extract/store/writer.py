@@ -54,7 +54,7 @@ class _OpenChunk:
         chunk: int,
         shapes: Mapping[str, tuple[int, ...]],
         dtype: np.dtype,
-        codes: Mapping[str, tuple[int, int]],
+        codes: Mapping[str, tuple[int, int, str]],
     ) -> None:
         self.chunk = chunk
         self.start, self.stop = plan.bounds(chunk)
@@ -62,9 +62,9 @@ class _OpenChunk:
         self.features = {name: np.empty((rows, *shape), dtype=dtype) for name, shape in shapes.items()}
         self.codes = {
             layer: latents.ChunkCodes(
-                np.full((rows, k), -1, np.int32), np.zeros((rows, k), np.float16), latents.empty_stats(d_sae)
+                np.full((rows, k), -1, np.int32), np.zeros((rows, k), values_dtype), latents.empty_stats(d_sae)
             )
-            for layer, (k, d_sae) in codes.items()
+            for layer, (k, d_sae, values_dtype) in codes.items()
         }
         self.labels = np.full(rows, -1, dtype=np.int64)
         self.valid = np.zeros(rows, dtype=bool)
@@ -91,7 +91,7 @@ class ChunkWriter:
     ``CastOverflowError``). ``write_chunk`` also records each chunk's statistics row of every 1-D layer
     and every layer kept whole in a known layout (per position, ``stats.py``), on the same threads.
 
-    ``codes`` (layer -> (k, d_sae)) are the ``--sae`` layers: a slot also holds their codes (buffers
+    ``codes`` (layer -> (k, d_sae, values dtype)) are the ``--sae`` (and ``@router``) layers: a slot also holds their codes (buffers
     ``latents/<layer>/indices`` and ``values``) and, in ``latent_stats[layer][chunk]``, the statistics of
     the batch's rows of each chunk, which are merged into the chunk's (``latents.py``).
     """
@@ -103,7 +103,7 @@ class ChunkWriter:
         plan: Plan,
         shapes: Mapping[str, tuple[int, ...]],
         threads: int = 1,
-        codes: Mapping[str, tuple[int, int]] | None = None,
+        codes: Mapping[str, tuple[int, int, str]] | None = None,
     ) -> None:
         self.store, self.staging, self.plan = store, staging, plan
         self.codes = dict(codes or {})

@@ -3,7 +3,8 @@ trained with ``tokenizers`` on real text (the standard library's own docstrings)
 need no network and no download.
 
 ``real_documents(n)`` gives real text of ragged lengths; ``save_text_model(kind, directory)`` writes
-a GPT-2 (no special tokens added), a Llama (BOS added) or a BERT (CLS ... SEP) with its tokenizer.
+a GPT-2 (no special tokens added), a Llama (BOS added), a BERT (CLS ... SEP), or a mixture-of-experts
+Mixtral or Qwen2-MoE (the Llama tokenizer) with its tokenizer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from functools import cache
 from pathlib import Path
 
+MOE = ("mixtral", "qwen2_moe")
 MODULES = ("json", "pathlib", "collections", "functools", "itertools", "argparse", "textwrap", "shutil", "inspect")
 
 
@@ -108,6 +110,19 @@ def save_text_model(kind: str, directory: str | Path, *, positions: int = 256, s
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
         model = tf.LlamaForCausalLM(config)
+    elif kind in MOE:  # mixture-of-experts decoders, Llama-shaped attention, with the Llama tokenizer
+        tokenizer = llama_tokenizer()
+        common = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=positions, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        if kind == "mixtral":
+            config = tf.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
+            model = tf.MixtralForCausalLM(config)
+        else:  # a shared expert beside 6 routed ones, weights not renormalized over the top k
+            config = tf.Qwen2MoeConfig(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+                                       num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
+                                       **common)  # fmt: skip
+            model = tf.Qwen2MoeForCausalLM(config)
     elif kind == "bert":
         tokenizer = bert_tokenizer()
         config = tf.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
@@ -115,7 +130,7 @@ def save_text_model(kind: str, directory: str | Path, *, positions: int = 256, s
                                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
         model = tf.BertModel(config)
     else:
-        raise ValueError(f"kind {kind!r}: gpt2, llama or bert")
+        raise ValueError(f"kind {kind!r}: gpt2, llama, bert, {' or '.join(MOE)}")
     model.eval().save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
