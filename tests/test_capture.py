@@ -214,7 +214,8 @@ def test_an_input_given_by_keyword_is_the_hidden_states_one_and_no_other():
     ("layer", "message"),
     [
         ("fc2@inputs", "'@' spells a module's input, NAME@input"),
-        ("fc2:0@input", "'@' spells a module's input, NAME@input (one tensor: no ':' selector)"),
+        ("fc2:0@input", "routing, BLOCK@router (one tensor: no ':' selector)"),
+        ("fc2@router", "fc2 is not a mixture-of-experts block"),
         ("fc3@input", "layer 'fc3@input' matches no module; closest: fc2@input, fc1@input"),
     ],
 )

@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import ExtractError, LayerNotFoundError
 from ..names.layers import INPUT_SUFFIX, ROUTER_SUFFIX, LayerRef, closest, matches_glob, shape_text
 from .lens import LENS_HINT
+from .moe import moe_blocks, router_name
 
 INPUT_KEYWORD = "hidden_states"  # the keyword transformers passes a block's or an attention's input by
 
@@ -90,6 +91,9 @@ def resolve_layers(
             found = [module_pattern] if module_pattern in names else []
         if not found:
             raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases), suffix))
+        if suffix == ROUTER_SUFFIX:  # only an MoE block has a routing: said now, before any forward
+            blocks = set(moe_blocks(model))
+            found = [n for n in found if n in blocks] or [router_name(model, found[0])]
         refs.extend(
             LayerRef(n, selector, input=suffix == INPUT_SUFFIX, router=suffix == ROUTER_SUFFIX) for n in found
         )
