@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers.launches import descendants  # noqa: E402  (the suite's walk of a launch's process tree)
 
 LAYER = "transformer.h.0"
+DOCUMENT_CHARS = 500  # a document's characters at most: paragraphs, most under 128 tokens
 CONTEXT = 128
 PAGE_TICKS = os.sysconf("SC_CLK_TCK")
 PLAN_LINE = re.compile(r"extract: .*?(\d+) (?:samples|tokens|documents) in (\d+) chunks? of (\d+)")
@@ -164,13 +165,14 @@ def paragraphs(text: str, most: int = 500) -> list[str]:
     return documents
 
 
-def corpus_pool(workdir: Path) -> list[str]:
-    """The distinct documents, in a fixed order; kept in ``workdir/pool.json``."""
-    path = workdir / "pool.json"
+def corpus_pool(workdir: Path, most: int = DOCUMENT_CHARS) -> list[str]:
+    """The distinct documents of at most about ``most`` characters, in a fixed order; kept in
+    ``workdir/pool.json`` (``pool-<most>.json`` for another size)."""
+    path = workdir / ("pool.json" if most == DOCUMENT_CHARS else f"pool-{most}.json")
     if path.is_file():
         return json.loads(path.read_text())
     texts = docstrings(STDLIB) + docstrings(PACKAGES) + package_texts()
-    pool = list(dict.fromkeys(d for text in texts for d in paragraphs(text)))
+    pool = list(dict.fromkeys(d for text in texts for d in paragraphs(text, most)))
     random.Random(0).shuffle(pool)
     path.write_text(json.dumps(pool))
     return pool
@@ -732,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--full-up-to", default="16M", help="larger corpora are killed at the first forward (default 16M: none)"
     )
+    parser.add_argument("--document-chars", type=int, default=DOCUMENT_CHARS,
+                        help="a document's characters at most (default 500: paragraphs, most under 128 tokens; "
+                        "360 gives short documents of about 60 tokens, as chat turns or docstrings)")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/extract-text-scale"))
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples of /proc")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds a run may take before it is killed")
@@ -752,25 +757,27 @@ def main(argv: list[str] | None = None) -> int:
         return report(args, runs, saved["machine"], saved["argv"], saved["date"], size_of(saved["full_up_to"]))
     this_machine = machine()
     print(f"machine: {this_machine}", flush=True)
-    pool = corpus_pool(args.workdir)
-    model = build_model(args.workdir / "gpt2-1x32", pool)
+    model = build_model(args.workdir / "gpt2-1x32", corpus_pool(args.workdir))  # one tokenizer for every size
+    pool = corpus_pool(args.workdir, args.document_chars)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    counts_path = args.workdir / "pool-tokens.json"
+    suffix = "" if args.document_chars == DOCUMENT_CHARS else f"-{args.document_chars}"
+    counts_path = args.workdir / f"pool{suffix}-tokens.json"
     if counts_path.is_file():
         token_counts = json.loads(counts_path.read_text())
     else:
         token_counts = [len(ids) for ids in tokenizer(pool, add_special_tokens=False)["input_ids"]]
         counts_path.write_text(json.dumps(token_counts))
     print(
-        f"pool: {len(pool)} documents, {sum(token_counts)} tokens, {sum(map(len, pool)) / 2**20:.1f} MiB; "
+        f"pool: {len(pool)} documents, {sum(token_counts)} tokens ({sum(token_counts) / len(pool):.0f} a document), "
+        f"{sum(map(len, pool)) / 2**20:.1f} MiB; "
         f"{sum(c > CONTEXT for c in token_counts)} longer than {CONTEXT} tokens",
         flush=True,
     )
     corpora = {}
     for tokens in sizes:
-        path = args.workdir / f"corpus-{label_of(tokens)}.jsonl"
+        path = args.workdir / f"corpus{suffix}-{label_of(tokens)}.jsonl"
         held = write_corpus(path, pool, token_counts, tokens)
         corpora[tokens] = path
         print(f"corpus {label_of(tokens)}: {held['documents']} documents, {held['tokens']} tokens, "
