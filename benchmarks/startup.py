@@ -36,11 +36,10 @@ WATCHED = ("torchvision.ops", "torch._dynamo", "transformers")
 PRELUDE = r"""
 import importlib.abc, importlib.util, json, sys, time
 out = sys.argv[1]
-WATCHED = %r
+WATCHED = WATCHED_NAMES
 
 def first_forward(module, args):
     record = {"t": time.time(), "loaded": [m for m in WATCHED if m in sys.modules]}
-    import torch.nn.modules.module as m
     handle.remove()
     with open(out, "w") as f:
         json.dump(record, f)
@@ -63,7 +62,7 @@ sys.meta_path.insert(0, Hook())
 sys.argv = ["extract", *sys.argv[2:]]
 from extract.cli.startup import main
 sys.exit(main())
-""" % (WATCHED,)
+""".replace("WATCHED_NAMES", repr(WATCHED))
 
 
 def timed(argv: list[str], tree: Path, cwd: Path) -> tuple[float, float, int]:
@@ -140,8 +139,10 @@ def main() -> None:
                         results[name].setdefault(f"{kind} job", {}).setdefault(key, []).append(value)
     medians = {
         name: {
-            what: {k: (statistics.median(v) if not isinstance(v[0], list) else sorted(set(sum(v, []))))
-                   for k, v in values.items()}  # fmt: skip
+            what: {
+                k: (statistics.median(v) if not isinstance(v[0], list) else sorted(set(sum(v, []))))
+                for k, v in values.items()
+            }  # fmt: skip
             for what, values in by_what.items()
         }
         for name, by_what in results.items()
