@@ -398,3 +398,13 @@ def test_a_bad_parquet_cell_names_file_and_row_or_is_skipped(cli, tmp_path):
     out = tmp_path / "b.zarr"
     assert cli(*SMALL, "--data", f"parquet:{path}", "--out", out, "--skip-bad-images")[0] == 0
     assert open_features(out).valid.tolist() == [True, False, True]
+
+
+def test_imagefolder_takes_torchvisions_image_extensions():
+    """``imagefolder:`` lists what ``torchvision.datasets.ImageFolder`` does; its extensions are written out
+    (importing torchvision's costs seconds), so they must stay torchvision's own."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    from extract.data.folder import IMG_EXTENSIONS as OURS
+
+    assert OURS == IMG_EXTENSIONS

@@ -423,8 +423,8 @@ def test_each_declared_prefix_dispatches_and_names_its_example():
         assert (
             str(error.value) == f"--model {source.name}:: name the model after '{source.name}:', e.g. {source.example}"
         )
-    assert registry.resolve("resnet50") == (registry.torchvision.SOURCE, "resnet50")
-    assert registry.resolve("pkg.module:make") == (registry.factory.SOURCE, "pkg.module:make")
+    assert registry.resolve("resnet50") == (registry.TORCHVISION, "resnet50")
+    assert registry.resolve("pkg.module:make") == (registry.FACTORY, "pkg.module:make")
     assert registry.model_kinds() == (
         "torchvision name, timm:NAME[.TAG], hf:ID_OR_DIR, open_clip:ARCH[:TAG_OR_FILE], "
         "or pkg.module:factory / file.py:factory"

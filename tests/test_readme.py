@@ -179,3 +179,46 @@ def test_every_block_is_found_and_few_are_not_run():
     not_run = [f"{page}:{line}" for page, line, code in blocks if code.lstrip().startswith(NOT_RUN)]
     in_readme = [line for page, line, code in blocks if page == "README.md"]
     assert len(blocks) >= 10 and len(not_run) <= 2 and len(in_readme) >= 3, (len(blocks), not_run, in_readme)
+
+
+def launch_commands() -> list[list[str]]:
+    """The README's ``accelerate launch ... -m extract ...`` lines, as words."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    return [shlex.split(line, comments=True) for line in lines if line.startswith("    accelerate launch ")]
+
+
+def test_the_readme_launch_commands_run(tmp_path):
+    """The README's launch lines that a CPU can run (synthetic data, random weights) run as written, made
+    small: under ``accelerate launch --cpu`` (one process) and ``--multi_gpu --num_processes 2`` (two
+    ranks on gloo), each store complete and equal, array for array, to the one a plain ``python -m extract``
+    of the same flags writes."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from helpers.launches import environment, free_port
+
+    from extract import open_features
+
+    commands = launch_commands()
+    runnable = [words for words in commands if "--data" in words and "synthetic:" in words[words.index("--data") + 1]]
+    assert len(commands) >= 3 and [w[2] for w in runnable] == ["--cpu", "--multi_gpu"], commands
+    for words in runnable:
+        options, args = words[2 : words.index("-m")], small(words[words.index("extract") + 1 :], {})
+        out = args[args.index("--out") + 1]
+        launch = [sys.executable, "-m", "accelerate.commands.launch", *options, "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
+        done = subprocess.run(
+            [*launch, "-m", "extract", *args], cwd=tmp_path, env=environment(), capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, f"README command failed: {shlex.join(words)}\n{done.stderr[-3000:]}"
+        alone = [*args[: args.index("--out") + 1], "alone-" + out, *args[args.index("--out") + 2 :]]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(tmp_path)
+            run_command(alone)
+        launched, reference = open_features(tmp_path / out), open_features(tmp_path / ("alone-" + out))
+        assert len(launched) == len(reference) == 64
+        for layer in ("layer3", "layer4"):
+            np.testing.assert_array_equal(launched.load(layer), reference.load(layer))
+        np.testing.assert_array_equal(launched.labels, reference.labels)

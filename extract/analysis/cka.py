@@ -34,6 +34,7 @@ from ..errors import ExtractError
 from ..read.features import Features
 from ..store import objects
 from ..store.location import LocationError, from_object_storage, is_url, one_line, open_store, parse
+from .options import MATCHES
 from .samples import (
     UnusableLayerError,
     default_pool,
@@ -78,9 +79,6 @@ class Side:
 
     def without(self, layer: str) -> Side:
         return Side(self.features, [name for name in self.layers if name != layer], self.pools, self.rows)
-
-
-MATCHES = ("keys", "rows")
 
 
 def shared_rows(a: Features, b: Features, match: str = "keys") -> tuple[np.ndarray, np.ndarray, str]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .options import DEFAULT_K, DEFAULT_TEMPERATURE
 from .samples import BLOCK_BYTES, Samples
-
-DEFAULT_K = 20
-DEFAULT_TEMPERATURE = 0.07
 
 
 def _normalized(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -21,9 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..read.dataset import ChunkShuffleSampler, FeatureDataset
+from .options import DEFAULT_LRS
 from .samples import Samples
-
-DEFAULT_LRS = (0.01, 0.03, 0.1, 0.3)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +31,10 @@ from torch import nn
 
 from ..errors import ExtractError
 from ..read.features import Features
-from .knn import DEFAULT_K, DEFAULT_TEMPERATURE, knn_predict
-from .linear import DEFAULT_LRS, fit_minibatch
+from .knn import knn_predict
 from .linear import accuracy as streamed_accuracy
+from .linear import fit_minibatch
+from .options import DEFAULT_TEST_FRACTION, ProbeOptions
 from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, no_layer_left, open_rows, select_layers
 
 __all__ = [
@@ -47,50 +47,6 @@ __all__ = [
     "resolve_device",
     "split",
 ]
-
-METHODS = ("linear", "knn")
-SOLVERS = ("auto", "lbfgs", "sgd")
-DEFAULT_MAX_FULL_BATCH_MIB = 1024
-DEFAULT_TEST_FRACTION = 0.2
-
-
-@dataclass(frozen=True)
-class ProbeOptions:
-    """How to probe each layer (the flags of ``python -m extract.probe``); checked when made.
-
-    Which rows train and test (one store split by ``test_fraction``, or two stores) is not an
-    option of the probe but of ``probe_layers``: ``probe_rows`` is given its rows."""
-
-    method: str = "linear"  # linear | knn
-    pool: str | None = None  # None: avg for maps, cls for tokens (``default_pool``)
-    seed: int = 0  # of the split and of the mini-batch order
-    device: str | torch.device | None = None  # k-NN and mini-batch training; None: a GPU if there is one
-    # linear
-    solver: str = "auto"  # lbfgs | sgd | auto: L-BFGS when the train set fits max_full_batch_mib
-    max_full_batch_mib: float = DEFAULT_MAX_FULL_BATCH_MIB
-    epochs: int | None = None  # None: 100 L-BFGS iterations, or 10 SGD passes
-    lr: float = 1.0  # the L-BFGS step size
-    weight_decay: float = 1e-3
-    lrs: Sequence[float] = DEFAULT_LRS  # SGD learning rates, swept on a held-out 10% of the train set
-    batch_size: int = 256
-    num_workers: int = 0
-    # knn
-    k: int = DEFAULT_K
-    temperature: float = DEFAULT_TEMPERATURE
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "lrs", tuple(self.lrs))  # frozen means frozen: a caller's list may change
-        if self.method not in METHODS:
-            raise ExtractError(f"unknown --method '{self.method}'; choose one of {', '.join(METHODS)}")
-        if self.solver not in SOLVERS:
-            raise ExtractError(f"unknown --solver '{self.solver}'; choose one of {', '.join(SOLVERS)}")
-        if self.k < 1 or self.temperature <= 0:
-            raise ExtractError(f"--k must be positive and --temperature above 0; got {self.k} and {self.temperature}")
-        if (self.epochs is not None and self.epochs < 1) or self.batch_size < 1 or self.num_workers < 0:
-            raise ExtractError(
-                "--epochs and --batch-size must be positive, --num-workers 0 or more; "
-                f"got {self.epochs}, {self.batch_size}, {self.num_workers}"
-            )
 
 
 def split(labelled: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

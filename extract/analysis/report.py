@@ -41,6 +41,7 @@ from ..store.location import parse
 from . import figures
 from .cka import Side, keys_and_classes, usable_cka
 from .images import SampleImages, sample_images
+from .options import ReportConfig
 from .probe import ProbeOptions, named, probe_rows, resolve_device, split
 from .samples import Samples, UnusableLayerError, default_pool, labelled_rows, open_rows, select_layers
 from .texts import SampleTexts, sample_texts
@@ -48,28 +49,6 @@ from .texts import SampleTexts, sample_texts
 THUMBNAIL = 96  # pixels, the longer side
 PAGE_PIXELS = round(figures.PAGE_WIDTH * figures.DPI)  # the page's column, as wide as every figure
 CLASSES_SHOWN = 20  # class names listed in the summary (the PCA legend shows as many)
-
-
-@dataclass(frozen=True)
-class ReportConfig:
-    """What the report shows and from how many samples (the flags of ``python -m extract.report``);
-    checked when made."""
-
-    layers: Sequence[str] | None = None  # names or globs; None: every stored layer
-    pca_layer: str | None = None  # the layer of the PCA and neighbour figures; None: the deepest
-    probe_json: Sequence[str | Path] = ()  # accuracies from ``extract.probe --json`` instead of probing here
-    max_samples: int = 5000  # drawn at random, for the probes and CKA
-    pca_samples: int = 2000
-    queries: int = 4  # query samples with neighbour thumbnails
-    neighbours: int = 6  # shown per query
-    seed: int = 0
-    device: str | torch.device | None = None  # None: a GPU if there is one
-
-    def __post_init__(self) -> None:
-        if min(self.max_samples, self.pca_samples) < 10 or self.queries < 1 or self.neighbours < 1:
-            raise ExtractError(
-                "--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive"
-            )
 
 
 @dataclass(frozen=True)

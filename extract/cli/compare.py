@@ -9,11 +9,7 @@ import argparse
 import json
 from collections.abc import Sequence
 
-import numpy as np
-
-from ..analysis.cka import MATCHES, compare, format_matrix
-from ..analysis.figures import cka_heatmap, require_matplotlib, save
-from ..analysis.probe import resolve_device
+from ..analysis.options import MATCHES  # the machinery (torch) is imported to run, not for --help
 from ..errors import ExtractError
 from .base import Parser, command, write_output
 
@@ -49,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
 @command("extract.compare")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import numpy as np
+
+    from ..analysis.cka import compare, format_matrix
+    from ..analysis.figures import cka_heatmap, require_matplotlib, save
+    from ..analysis.probe import resolve_device
+
     if (args.window is not None and args.window < 1) or (args.max_samples is not None and args.max_samples < 4):
         raise ExtractError("--window must be positive and --max-samples at least 4")
     if args.heatmap:

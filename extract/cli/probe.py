@@ -11,7 +11,8 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-from ..analysis.probe import DEFAULT_TEST_FRACTION, ProbeOptions, probe_layers
+# the defaults, not the machinery: --help loads no torch (``probe_layers`` is imported to run)
+from ..analysis.options import DEFAULT_TEST_FRACTION, ProbeOptions
 from .base import Parser, command, write_output
 
 DEFAULTS = ProbeOptions()
@@ -105,6 +106,8 @@ def _add_linear_flags(p: argparse.ArgumentParser) -> None:
 @command("extract.probe")
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ..analysis.probe import probe_layers
+
     options = ProbeOptions(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ProbeOptions)})
     records = probe_layers(
         args.store, args.layers, options, train=args.train, test=args.test, test_fraction=args.test_fraction

@@ -11,7 +11,8 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from ..analysis.report import ReportConfig, build_report
+# the defaults, not the machinery: --help loads no torch (``build_report`` is imported to run)
+from ..analysis.options import ReportConfig
 from .base import Parser, command, write_output
 
 DEFAULTS = ReportConfig()
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = ReportConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ReportConfig)})
+    from ..analysis.report import build_report
+
     report = build_report(args.store, config)
     write_output("--out", args.out, report.html())
     print(f"{args.out}: {len(report.figures)} figures" + "".join(f"; {n}" for n in report.notes))

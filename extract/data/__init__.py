@@ -15,14 +15,32 @@ the two at once.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtractError
-from .decode import DECODES, Decoding, Transform
-from .listing import Ranks
-from .registry import DATA_KINDS, open_source, resolve_spec
-from .source import DataOptions, DataRequest, DataSource, Document, Source, TextSource
-from .synthetic import SyntheticImages
+from ..names import DECODES
+from .registry import DATA_KINDS, DataSource, open_source, resolve_spec
+
+if TYPE_CHECKING:
+    from .decode import Transform
+    from .listing import Ranks
+    from .source import DataOptions, Document, Source, TextSource
+    from .synthetic import SyntheticImages
+
+# name -> the module of this package that defines it, imported on first use (PEP 562): importing the
+# package (and its light registry) loads no torch, so that ``extract run --help`` stays light
+_LAZY = {
+    "Decoding": "decode",
+    "Transform": "decode",
+    "Ranks": "listing",
+    "DataOptions": "source",
+    "DataRequest": "source",
+    "Document": "source",
+    "Source": "source",
+    "TextSource": "source",
+    "SyntheticImages": "synthetic",
+}
 
 __all__ = [
     "DATA_KINDS",
@@ -60,6 +78,8 @@ def build_dataset(
     refuses empty data sets. ``saved_index``: a shard index kept with the store;
     ``recorded``: the data its identity records (see ``job_data``). The source's ``spec`` is the data
     as the job's identity records it."""
+    from .source import DataOptions
+
     options = options or DataOptions()
     source = open_dataset(spec, options, ranks=ranks, saved_index=saved_index, recorded=recorded)
     return attach_decoding(source, preprocess, image_size, options, preprocessing=preprocessing)
@@ -75,6 +95,8 @@ def open_dataset(
 ) -> Source | TextSource:
     """``build_dataset`` without the model: the data listed (and refused where it is empty or bad),
     its images not yet given a transform (``attach_decoding``)."""
+    from .source import DataOptions, DataRequest, TextSource
+
     options = options or DataOptions()
     recorded_as = job_data(spec, recorded)
     source = open_source(DataRequest(spec, options, ranks, saved_index), at=recorded_as)
@@ -97,6 +119,9 @@ def attach_decoding(
 ) -> Source | TextSource:
     """An image source given the model's transform at its input size; a text source as it is (the
     model's tokenizer reads its documents)."""
+    from .decode import Decoding
+    from .source import DataOptions, TextSource
+
     if isinstance(source, TextSource):
         return source
     options = options or DataOptions()
@@ -134,3 +159,9 @@ def saved_indexes(source: Source) -> dict[str, bytes]:
     """The listings ``source`` can keep with the store, by name (shards: their index)."""
     blob = source.saved_index() if hasattr(source, "saved_index") else None
     return {SAVED_INDEX: blob} if blob is not None else {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash, parse_label, resolved_path
+from .source import DataRequest, Source, listing_hash, parse_label
 
 NAMED_MISSING = 3
 
@@ -84,8 +84,3 @@ def open_filelist(location: str, request: DataRequest) -> FileListSource:
     if not path.is_file():
         raise ExtractError(f"--data filelist:{location}: file {location} does not exist (one image path per line)")
     return FileListSource(path, on_one_rank(request.ranks, lambda: read_list(path)))
-
-
-SOURCE = DataSource(
-    "filelist", location="FILE", example="filelist:/data/train.txt", open=open_filelist, resolve=resolved_path
-)

@@ -12,12 +12,15 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchvision.datasets.folder import IMG_EXTENSIONS
-
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash, resolved_path, utf8_name
+from .source import DataRequest, Source, listing_hash, utf8_name
+
+# torchvision.datasets.folder.IMG_EXTENSIONS, written out: importing it loads all of torchvision
+# (torchvision.ops, torch._dynamo: seconds), which a job whose model is not torchvision's never needs;
+# tests/test_data_sources.py checks that the two agree
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 @dataclass
@@ -133,8 +136,3 @@ def open_folder(root: str, request: DataRequest) -> FolderSource:
             f"--data imagefolder:{root}: {root} is not a directory (ImageFolder layout: ROOT/CLASS/IMAGE)"
         )
     return FolderSource(root, on_one_rank(request.ranks, lambda: list_folder(root)))
-
-
-SOURCE = DataSource(
-    "imagefolder", location="PATH", example="imagefolder:/data/train", open=open_folder, resolve=resolved_path
-)

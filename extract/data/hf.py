@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
-from .source import DataOptions, DataRequest, DataSource, Document, Source, TextSource, listing_hash, resolved_path
+from .source import DataOptions, DataRequest, Document, Source, TextSource, listing_hash
 from .text import TOKENS, checked_label, text_document
 
 ROWS_AT_A_TIME = 1024  # rows of a text dataset converted to Python at a time: memory stays bounded
@@ -187,14 +187,3 @@ def open_hf(location: str, request: DataRequest) -> HFSource | HFText:
     if column is not None:
         return HFText(path, loaded, column, options.label_key)
     return HFSource(path, loaded, options.image_key, options.label_key)
-
-
-def resolve_hf(location: str) -> str:
-    path, colon, split = location.partition(":")
-    return f"{resolved_path(path)}{colon}{split}"
-
-
-SOURCE = DataSource(
-    "hf", location="PATH[:split]", example="hf:/data/saved", open=open_hf, library="datasets", extra="datasets",
-    resolve=resolve_hf,
-)  # fmt: skip

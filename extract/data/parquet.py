@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ExtractError
 from .decode import RawImage, stored_image
 from .listing import on_one_rank
-from .source import DataRequest, DataSource, Source, listing_hash, resolved_path
+from .source import DataRequest, Source, listing_hash
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -236,9 +236,3 @@ class ParquetSource(Source):
 def open_parquet(pattern: str, request: DataRequest) -> ParquetSource:
     image_key, label_key = request.options.image_key, request.options.label_key
     return ParquetSource(on_one_rank(request.ranks, lambda: list_parquet(pattern, image_key, label_key)))
-
-
-SOURCE = DataSource(
-    "parquet", location="GLOB", example="parquet:/data/train-*.parquet", open=open_parquet, library="pyarrow",
-    extra="parquet", resolve=resolved_path,
-)  # fmt: skip

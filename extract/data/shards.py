@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import ExtractError
 from .decode import RawImage
 from .listing import Ranks, split_across_ranks
-from .source import DataRequest, DataSource, Source, listing_hash, parse_label, resolved_path, utf8_name
+from .source import DataRequest, Source, listing_hash, parse_label, utf8_name
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 INDEX_FORMAT = "extract-wds-index/1"
@@ -217,9 +217,3 @@ def open_shards(location: str, request: DataRequest) -> ShardSource:
     if not index.samples:
         raise ExtractError(f"--data wds:{location} is empty: its shards hold no samples with an image")
     return ShardSource(index)
-
-
-SOURCE = DataSource(
-    "wds", location="PATTERN_OR_DIR", example="wds:/data/train-{000000..000999}.tar", open=open_shards,
-    resolve=resolved_path,
-)  # fmt: skip

@@ -1,4 +1,4 @@
-"""What every data source is: its declaration (``DataSource``), and what it opens (``Source``):
+"""What every data source opens (``Source``; its declaration, ``DataSource``, is in ``registry.py``):
 random access to samples, their keys, class names, a listing hash and where its images live.
 
 A source lists its samples once (see ``listing.py``), then serves item ``i`` as the raw image and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -50,11 +50,6 @@ def parse_label(text: str) -> int:
     if not LABEL_RANGE[0] <= value <= LABEL_RANGE[1]:
         raise ValueError(f"label {text[:20]}{'...' if len(text) > 20 else ''} does not fit in int64")
     return value
-
-
-def resolved_path(location: str) -> str:
-    """A path, or a pattern (glob, braces) whose literal folders are resolved: absolute, symlinks followed."""
-    return str(Path(location).resolve()) if location else location
 
 
 def utf8_name(name: str) -> bool:
@@ -231,28 +226,3 @@ class DataRequest:
     options: DataOptions
     ranks: Ranks | None = None
     saved_index: bytes | None = None
-
-
-@dataclass(frozen=True)
-class DataSource:
-    """A ``--data`` source, declared once in its own module (as timm declares a model with
-    ``@register_model``); ``registry.py`` derives dispatch, messages and the list of kinds from it.
-
-    ``PREFIX:LOCATION`` opens it: ``open(location, request)``. ``library`` is the import name of the
-    optional library it needs and ``extra`` the pip extra that installs it; the module imports the
-    library only when it opens a source, so that declaring one costs nothing. ``resolve`` writes a
-    location with its path absolute and resolved (``resolved_path`` where the location is a path).
-    """
-
-    prefix: str
-    location: str  # how the part after the prefix is written, for messages and --help: "PATTERN_OR_DIR"
-    example: str  # a --data value of this kind
-    open: Callable[[str, DataRequest], Source | TextSource]
-    library: str | None = None
-    extra: str | None = None
-    # the location with its path resolved, so that one folder given two ways is one job; None: no path
-    resolve: Callable[[str], str] | None = None
-
-    @property
-    def usage(self) -> str:
-        return f"{self.prefix}:{self.location}"

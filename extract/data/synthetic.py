@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 
 from ..errors import ExtractError
 from .decode import RawImage, Transform
-from .source import DataRequest, DataSource, Source
+from .registry import declared
+from .source import DataRequest, Source
 
 
 def synthetic_image(index: int, side: int, classes: int = 10) -> Image.Image:
@@ -78,7 +79,8 @@ def _memory_bytes() -> int | None:
 
 def open_synthetic(count: str, request: DataRequest) -> SyntheticSource:
     if not count.isdigit():
-        raise ExtractError(f"--data {request.spec}: write synthetic:N with N a whole number, e.g. {SOURCE.example}")
+        example = declared("synthetic").example
+        raise ExtractError(f"--data {request.spec}: write synthetic:N with N a whole number, e.g. {example}")
     size, memory = int(count), _memory_bytes()
     if memory is not None and size * BYTES_PER_SAMPLE > memory:
         raise ExtractError(
@@ -86,6 +88,3 @@ def open_synthetic(count: str, request: DataRequest) -> SyntheticSource:
             f"for their keys and labels alone, more than this machine's {memory / 2**30:.0f} GiB; use fewer"
         )
     return SyntheticSource(size)
-
-
-SOURCE = DataSource("synthetic", location="N", example="synthetic:512", open=open_synthetic)

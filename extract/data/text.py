@@ -41,11 +41,9 @@ from .source import (
     LABEL_RANGE,
     DataOptions,
     DataRequest,
-    DataSource,
     Document,
     TextSource,
     listing_hash,
-    resolved_path,
     utf8_name,
 )
 
@@ -607,6 +605,3 @@ def open_text(pattern: str, request: DataRequest) -> TextFiles:
     options = request.options
     listing = list_text(pattern, options, request.ranks)
     return TextFiles(listing, options.text_key, options.label_key, options.skip_bad)
-
-
-SOURCE = DataSource("text", location="GLOB", example="text:/data/corpus/*.jsonl", open=open_text, resolve=resolved_path)

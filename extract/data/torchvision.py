@@ -11,7 +11,8 @@ from torch.utils.data import Dataset
 
 from ..errors import ExtractError
 from .decode import RawImage
-from .source import DataRequest, DataSource, Source, resolved_path
+from .registry import declared
+from .source import DataRequest, Source
 
 
 def _dataset(name: str, root: str, split: str | None) -> Dataset:
@@ -61,17 +62,6 @@ def open_torchvision(rest: str, request: DataRequest) -> TorchvisionSource:
     name, _, location = rest.partition(":")
     root, _, split = location.partition(":")
     if not name or not root:
-        raise ExtractError(f"--data torchvision:{rest}: write {SOURCE.usage}, e.g. {SOURCE.example}")
+        source = declared("torchvision")
+        raise ExtractError(f"--data torchvision:{rest}: write {source.usage}, e.g. {source.example}")
     return TorchvisionSource(name, root, split or None)
-
-
-def resolve_torchvision(rest: str) -> str:
-    name, colon, location = rest.partition(":")
-    root, colon_split, split = location.partition(":")
-    return f"{name}{colon}{resolved_path(root)}{colon_split}{split}"
-
-
-SOURCE = DataSource(
-    "torchvision", location="NAME:ROOT[:split]", example="torchvision:CIFAR10:/data:test", open=open_torchvision,
-    resolve=resolve_torchvision,
-)  # fmt: skip

@@ -146,7 +146,7 @@ def _data_help() -> str:
 
 
 def _pool_help() -> str:
-    from ..names.pooling import MODEL_POOL, POOL_CHOICES, TEXT_POOLS
+    from ..names import MODEL_POOL, POOL_CHOICES, TEXT_POOLS
 
     return (
         f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token), {' | '.join(TEXT_POOLS)} "

@@ -1,23 +1,36 @@
 """Model sources: ``--model`` names a torchvision model, ``timm:NAME``, ``hf:ID_OR_DIR``,
 ``open_clip:ARCH[:PRETRAINED]`` or a ``pkg.module:factory``. Each source is one module that declares
-itself once (a ``ModelSource`` with its ``build(name, request) -> LoadedModel``); ``registry.py``
-dispatches on the declarations, and this file applies what is common to all (seed, checkpoint,
+is declared once in ``registry.py`` (a ``ModelSource`` naming its ``build(name, request) -> LoadedModel``,
+imported when a model is built), which dispatches on the declarations; this file applies what is common to all (seed, checkpoint,
 reading the hub's cache offline). Each source brings its library's own preprocessing, exactly: a
-generic preset silently changes every feature."""
+generic preset silently changes every feature.
+
+Importing this package loads neither torch nor any source: the names below are imported on first
+use, so that ``extract run --help`` reads the declarations alone."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import platform
-from typing import Any
-
-import torch
-from torchvision import __version__ as torchvision_version  # the name torchvision is .torchvision here
+from typing import TYPE_CHECKING, Any
 
 from . import registry
-from .base import LoadedModel, ModelRequest, ModelSource, hub_offline, load_checkpoint, preprocessing_record
-from .hf_text import Encoded, TextModel
+from .registry import ModelSource
+
+if TYPE_CHECKING:
+    from .base import LoadedModel, ModelRequest, load_checkpoint, preprocessing_record
+    from .hf_text import Encoded, TextModel
+
+# name -> the module of this package that defines it, imported on first use (PEP 562)
+_LAZY = {
+    "LoadedModel": "base",
+    "ModelRequest": "base",
+    "load_checkpoint": "base",
+    "preprocessing_record": "base",
+    "Encoded": "hf_text",
+    "TextModel": "hf_text",
+}
 
 __all__ = [
     "Encoded",
@@ -51,6 +64,10 @@ def build_model(
     text model over the GPUs this process sees (everything on the CPU without one); other sources
     refuse it. ``tensor_parallel`` (``hf_text.TensorMeshes``) splits a text model over this rank's group with
     transformers' own plan."""
+    import torch
+
+    from .base import ModelRequest, hub_offline, load_checkpoint
+
     source, source_name = registry.resolve(name)
     load = load_weights and checkpoint is None
     request = ModelRequest(
@@ -76,7 +93,9 @@ def build_model(
 
 def library_versions(source: str | None = None) -> dict[str, str]:
     """The versions of what made a store: Python, torch, torchvision, zarr, extract and the source's library."""
+    import torch
     import zarr
+    from torchvision import __version__ as torchvision_version  # the name torchvision is .torchvision here
 
     versions = {
         "python": platform.python_version(),
@@ -95,3 +114,9 @@ def _own_version() -> str:
         return importlib.metadata.version("extract")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
         return "unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -86,27 +86,6 @@ class LoadedModel:
 Builder = Callable[[str, ModelRequest], LoadedModel]
 
 
-@dataclass(frozen=True)
-class ModelSource:
-    """A ``--model`` source, declared once in its own module (as timm declares a model with
-    ``@register_model``); ``registry.py`` derives dispatch, messages and the list of kinds from it.
-
-    ``name`` is what the store records as the source, and the prefix that selects it
-    (``timm:NAME``) when ``prefixed``; the two sources that are not prefixed take the other names
-    (a torchvision name, or ``pkg.module:factory``). ``library`` is the import name of the optional
-    library it needs and ``extra`` the pip extra that installs it: the module imports the library only
-    inside ``build``, so that declaring a source costs nothing and a missing library is one line.
-    """
-
-    name: str
-    usage: str  # how --model names it, for --help: "timm:NAME[.TAG]"
-    example: str  # a --model value that works, for messages
-    build: Builder  # (the name after the prefix, the request) -> the model in eval mode
-    prefixed: bool = True
-    library: str | None = None
-    extra: str | None = None
-
-
 _PIL_RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ExtractError
-from .base import LoadedModel, ModelRequest, ModelSource
+from .base import LoadedModel, ModelRequest
 from .torchvision import imagenet_preset
 
 
@@ -103,8 +103,3 @@ def _output_size(spec: str, preprocess: Callable[[Any], Any]) -> tuple[int, int]
             "not a (3, H, W) tensor"
         )
     return int(pixels.shape[1]), int(pixels.shape[2])
-
-
-SOURCE = ModelSource(
-    "factory", usage="pkg.module:factory / file.py:factory", example="pkg.module:factory", build=build, prefixed=False
-)

@@ -16,7 +16,8 @@ Text or vision, decided from the files before anything is loaded (``is_text_mode
 A hub id is looked up in the cache (only there when the hub is offline); a directory or id without
 a config goes the vision way, whose messages name what is missing.
 
-transformers is imported only when a model is built (see ``ModelSource``)."""
+transformers is imported only when a model is built (``registry.py`` declares it
+without importing this module)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from torch import nn
 
 from ..errors import ExtractError
 from . import hf_text
-from .base import LoadedModel, ModelRequest, ModelSource
+from .base import LoadedModel, ModelRequest
 from .hf_hub import TOKENIZER_FILES, hidden_state_aliases, load_pretrained, model_file
 
 
@@ -144,8 +145,3 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
     loaded = LoadedModel(model, preprocess, size, description + tower, input_name="pixel_values")  # type: ignore[arg-type]
     loaded.aliases = hidden_state_aliases(model, loaded.example(1))
     return loaded
-
-
-SOURCE = ModelSource(
-    "hf", usage="hf:ID_OR_DIR", example="hf:facebook/dinov2-small", build=build, library="transformers", extra="hf"
-)

@@ -24,7 +24,8 @@ how its own ``encode`` embeds a text (``read_sentence_config``): it truncates at
 module's mode and L2-normalizes where a ``Normalize`` module follows (``--pool model``,
 ``TextModel.model_pooling``).
 
-transformers is imported only when a model is built (see ``ModelSource``)."""
+transformers is imported only when a model is built (``registry.py`` declares it
+without importing this module)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ with OpenCLIP's own eval preprocess. PRETRAINED is a tag (``laion2b_s34b_b79k``;
 downloaded) or a local checkpoint file. With ``--weights none`` a tag still chooses the
 preprocessing (mean, std, interpolation, resize mode), as the weights would.
 
-open_clip is imported only when a model is built (see ``ModelSource``)."""
+open_clip is imported only when a model is built (``registry.py`` declares it
+without importing this module)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from ..errors import ExtractError
 from ..names.layers import closest
-from .base import LoadedModel, ModelRequest, ModelSource, cached_hub_file, download_failed
+from .base import LoadedModel, ModelRequest, cached_hub_file, download_failed
 
 HUB_WEIGHTS = "open_clip_pytorch_model.bin"  # OpenCLIP's file name where a tag names a hub repository only
 
@@ -129,13 +130,3 @@ def build(spec: str, request: ModelRequest) -> LoadedModel:
     else:
         description = f"none (random init, seed {request.seed}" + (f"; preprocessing of {pretrained})" if tag else ")")
     return LoadedModel(visual, preprocess, (int(size[0]), int(size[1])), description)
-
-
-SOURCE = ModelSource(
-    "open_clip",
-    usage="open_clip:ARCH[:TAG_OR_FILE]",
-    example="open_clip:ViT-B-32",
-    build=build,
-    library="open_clip",
-    extra="clip",
-)

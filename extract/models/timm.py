@@ -2,7 +2,8 @@
 transform (``resolve_model_data_config`` + ``create_transform``). The model's default pretrained
 config decides the transform whatever the weights (random init and checkpoints included).
 
-timm is imported only when a model is built (see ``ModelSource``)."""
+timm is imported only when a model is built (``registry.py`` declares it
+without importing this module)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from ..errors import ExtractError
 from ..names.layers import closest
-from .base import LoadedModel, ModelRequest, ModelSource, cached_hub_file, download_failed
+from .base import LoadedModel, ModelRequest, cached_hub_file, download_failed
 
 HUB_WEIGHTS = "pytorch_model.bin"  # timm's default file name on the hub
 
@@ -95,8 +96,3 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
         hints = {info["module"]: "NHWC" for info in getattr(model, "feature_info", []) if "module" in info}
     _, height, width = config["input_size"]
     return LoadedModel(model, preprocess, (height, width), description, layout_hints=hints)
-
-
-SOURCE = ModelSource(
-    "timm", usage="timm:NAME[.TAG]", example="timm:vit_small_patch16_224", build=build, library="timm", extra="timm"
-)

@@ -10,7 +10,7 @@ from torchvision.transforms._presets import ImageClassification
 
 from ..errors import ExtractError
 from ..names.layers import closest
-from .base import LoadedModel, ModelRequest, ModelSource, download_failed
+from .base import LoadedModel, ModelRequest, download_failed
 
 
 def imagenet_preset(image_size: int | None) -> ImageClassification:
@@ -63,6 +63,3 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
         description = str(weights) if request.load_weights else f"none (architecture only; preprocessing of {weights})"
     crop = preprocess.crop_size[0]
     return LoadedModel(model, preprocess, (crop, crop), description)
-
-
-SOURCE = ModelSource("torchvision", usage="torchvision name", example="resnet50", build=build, prefixed=False)

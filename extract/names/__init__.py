@@ -1,8 +1,8 @@
 """The vocabulary every stage shares, importing no stage: what a store's rows are (``Kind``), how a
 packed store's contexts were cut (``PackInfo``), layer names (``LayerRef``, ``matches_glob``,
 ``closest``, ``shape_text``: ``layers.py``), which axis holds the channels (``Layout``: ``layout.py``)
-and the pool names and their reductions (``make_pool``, ``per_layer``, ``POOL_CHOICES``, ``TEXT_POOLS``,
-``MODEL_POOL``, ``ModelPooling``: ``pooling.py``, imported by name, since it loads torch).
+the pool names (``POOL_CHOICES``, ``TEXT_POOLS``, ``MODEL_POOL``: here) and their reductions
+(``make_pool``, ``per_layer``, ``ModelPooling``: ``pooling.py``, imported by name, since it loads torch).
 
 Capture, the store, the reader and the analysis import these from here; nothing here imports them."""
 
@@ -17,12 +17,28 @@ import numpy as np
 from .layers import LayerRef, closest, matches_glob, shape_text
 from .layout import Layout
 
-__all__ = ["COMPRESSORS", "DECODES", "Kind", "LayerRef", "Layout", "PackInfo", "closest", "matches_glob", "shape_text"]
+__all__ = [
+    "COMPRESSORS",
+    "DECODES",
+    "MODEL_POOL",
+    "POOL_CHOICES",
+    "TEXT_POOLS",
+    "Kind",
+    "LayerRef",
+    "Layout",
+    "PackInfo",
+    "closest",
+    "matches_glob",
+    "shape_text",
+]
 
 # Option values the job's spec lists and the stage that acts on them checks: here, so that building the
 # command's parser imports neither the data sources nor zarr.
 DECODES = ("pil", "draft", "nvjpeg")  # --decode: PIL in full, PIL at a reduced JPEG scale, nvjpeg on the GPU
 COMPRESSORS = ("zstd", "blosc", "bitshuffle", "none")  # --compressor
+POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")  # --pool for an image (or any 4-D / 3-D) layer
+TEXT_POOLS = ("mean", "max", "first", "last")  # --pool for a text model's tokens, per document
+MODEL_POOL = "model"  # --pool model: the pooling the model's own files name (``pooling.ModelPooling``)
 
 
 class Kind(StrEnum):

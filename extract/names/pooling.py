@@ -15,14 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ExtractError, PoolShapeError
+from . import MODEL_POOL, POOL_CHOICES, TEXT_POOLS  # noqa: F401 - declared where the parser reads them
 from .layers import LayerRef, matches_glob
 from .layout import Layout
 
 Pool = Callable[[torch.Tensor], torch.Tensor]
-
-POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")  # an image (or any 4-D / 3-D) layer
-TEXT_POOLS = ("mean", "max", "first", "last")
-MODEL_POOL = "model"  # --pool model: the pooling the model's own files name (ModelPooling)
 
 
 @dataclass(frozen=True)
