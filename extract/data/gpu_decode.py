@@ -18,9 +18,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import default_collate
-from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as F
 
 from ..errors import ExtractError
 from .decode import Decoding, Transform
@@ -47,6 +44,9 @@ def transform_from_description(preprocessing: Mapping[str, Any]) -> TensorTransf
             f"--decode nvjpeg cannot reproduce the model's preprocessing on the GPU: its description lacks "
             f"{', '.join(missing)} ({preprocessing.get('repr', '?')!s:.80}); use --decode pil or draft"
         )
+    from torchvision.transforms import InterpolationMode  # on use: a text job imports this module too
+    from torchvision.transforms import functional as F
+
     try:
         interpolation = InterpolationMode(preprocessing["interpolation"])
     except ValueError:
@@ -92,6 +92,8 @@ class GpuDecoder:
         self.fallbacks = 0  # JPEGs the device decoder refused, done on the CPU path instead
 
     def _decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
         decoded = decode_jpeg(
             data, mode=ImageReadMode.RGB, device=self.device, apply_exif_orientation=self.decoding.exif_transpose
         )
