@@ -100,7 +100,7 @@ def test_nvjpeg_batch_matches_the_cpu_path_and_falls_back_for_png_and_bad_jpegs(
 
 
 def test_nvjpeg_decodes_alone_what_the_batch_decoder_refuses(monkeypatch):
-    import extract.data.gpu_decode as module
+    import torchvision.io as module  # gpu_decode imports its decode_jpeg on use
 
     images = [photo("coffee", (300, 200)), photo("rocket", (320, 214))]
     _, decoder, (batch, _, indices, errors) = nvjpeg_items(images, preset(64))

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT
-from helpers.text_models import bert_tokenizer, gpt2_tokenizer, real_documents, write_jsonl
+from helpers.text_models import bert_tokenizer, gpt2_tokenizer, real_documents, save_text_model, write_jsonl
 
 README = ROOT / "README.md"
 PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))  # README first: its commands are the ones used
 NOT_RUN = "# not run by tests/test_readme.py:"
 S3_STORE = "s3://features/demo.zarr"
-LOCAL_STORES = ("demo.zarr", "tokens.zarr", "docs.zarr", "packed.zarr", "a.zarr", "b.zarr", "codes.zarr")
+LOCAL_STORES = ("demo.zarr", "tokens.zarr", "docs.zarr", "packed.zarr", "a.zarr", "b.zarr", "codes.zarr", "routing.zarr")
 WIDTH, D_SAE = 16, 128  # the tiny models' width; latents up to 127 (the pages read latent 123)
 
 
@@ -77,7 +77,8 @@ def small(args: list[str], models: dict[str, Path]) -> list[str]:
 def tiny_text_models(root: Path) -> dict[str, Path]:
     """Stand-ins for the README's ``hf:/models/gpt2`` (12 blocks: ``hidden_states.12`` exists), a fine-tune
     of it with the same tokenizer, ``hf:/models/gpt2-chat`` (other weights), and ``hf:/models/minilm``
-    (6 layers, as all-MiniLM-L6), with 16-wide layers and random weights."""
+    (6 layers, as all-MiniLM-L6), with 16-wide layers and random weights; and ``hf:/models/mixtral``, a
+2-block Mixtral (``save_text_model``)."""
     import torch
     import transformers as tf
 
@@ -94,7 +95,9 @@ def tiny_text_models(root: Path) -> dict[str, Path]:
                            intermediate_size=32, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     tf.BertModel(config).eval().save_pretrained(minilm)
     tokenizer.save_pretrained(minilm)
-    return {"hf:/models/gpt2": gpt2, "hf:/models/gpt2-chat": chat, "hf:/models/minilm": minilm}
+    mixtral = save_text_model("mixtral", root / "mixtral")  # 2 mixture-of-experts blocks, 4 experts, top 2
+    return {"hf:/models/gpt2": gpt2, "hf:/models/gpt2-chat": chat, "hf:/models/minilm": minilm,
+            "hf:/models/mixtral": mixtral}  # fmt: skip
 
 
 def tiny_saes(args: list[str]) -> None:

@@ -77,7 +77,7 @@ class TextJob:
         if corpus.packing is not None:
             contexts = self.num_documents
             return TextArrays(
-                self.offsets, np.full(contexts, -1, np.int64), np.ones(contexts, bool), corpus.lengths.copy()
+                self.offsets, np.full(contexts, -1, np.int32), np.ones(contexts, bool), corpus.lengths
             )
         valid = corpus.valid
         if not self.per_token:  # a document without tokens has no pooled row (NaN): not valid for readers
@@ -185,8 +185,9 @@ def _stored_corpus(stored: TextArrays, packing: PackInfo | None) -> Corpus:
     if packing is not None:
         assert stored.source_lengths is not None
         lengths = stored.source_lengths
-        return Corpus(lengths, np.full(len(lengths), -1, np.int64), np.ones(len(lengths), bool), packing=packing)
-    return Corpus(np.diff(stored.offsets), stored.labels, stored.valid)
+        lengths = lengths.astype(np.int32)
+        return Corpus(lengths, np.full(len(lengths), -1, np.int32), np.ones(len(lengths), bool), packing=packing)
+    return Corpus(np.diff(stored.offsets).astype(np.int32), stored.labels.astype(np.int32), stored.valid)
 
 
 def _packing(spec: JobSpec, model: Any, layers: TextLayerSetup) -> PackInfo | None:
