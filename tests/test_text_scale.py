@@ -19,11 +19,11 @@ VOCAB = 1000
 
 
 class Synthetic(TextSource):
-    """Documents of ragged lengths (1 to 500 tokens) given as token ids: document i holds ids
-    ``(i + j) % VOCAB`` for j < its length."""
+    """Documents of ragged lengths (1 to 500 tokens, or ``lengths``) given as token ids: document i holds
+    ids ``(i + j) % VOCAB`` for j < its length."""
 
-    def __init__(self, count: int) -> None:
-        self.lengths = np.random.default_rng(0).integers(1, 500, size=count)
+    def __init__(self, count: int, lengths: tuple[int, int] = (1, 500)) -> None:
+        self.lengths = np.random.default_rng(0).integers(*lengths, size=count)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -119,3 +119,28 @@ def test_token_rows_equal_the_corpus_concatenated():
             part = rows.rows(start, stop)
             for name, values in part.columns(start, stop).items():
                 assert values.tolist() == whole.columns(start, stop)[name].tolist(), (name, start, stop)
+
+
+@pytest.mark.parametrize("packing", [None, PackInfo(128, bos=1, separator=2)], ids=["ragged", "packed"])
+def test_short_documents_cost_at_most_two_bytes_a_token(packing):
+    """60-token documents (chat turns, docstrings): planning and a rank's batches hold at most 2 bytes per
+    token of the corpus, everything per document included (its facts are numpy arrays of the narrowest
+    types, no Python object per document). A billion tokens of such documents is 17M documents."""
+    documents = 60_000
+    source, model = Synthetic(documents, lengths=(30, 91)), Encoder()
+    state = SimpleNamespace(process_index=0, num_processes=1)
+    tokens = int(source.lengths.sum())  # about 3.6M
+    found: dict[str, Corpus] = {}
+    survey_peak = _peak(lambda: found.setdefault("corpus", survey(source, model, 400, state, packing)))
+    corpus = found["corpus"]
+    plan = Plan(int(corpus.offsets[-1]), 4096)
+    chunks = list(range(plan.num_chunks // 2, plan.num_chunks))
+
+    def run_batches() -> None:
+        rows = TokenRows(source, model, 400, corpus)
+        for _ in TextBatches(corpus.offsets, rows, plan, chunks, per_token=True, tokens_per_batch=2048, pad_id=0):
+            pass
+
+    batches_peak = _peak(run_batches)
+    assert survey_peak < 2 * tokens, (survey_peak / tokens, "bytes a token")
+    assert batches_peak < 2 * tokens, (batches_peak / tokens, "bytes a token")
