@@ -23,6 +23,7 @@ from ..store import dtypes as storage
 from ..store.chunks import Plan
 from ..store.location import Location, check_not_forked, locate
 from .dataset import _rank_and_world_size
+from .direct import DirectChunks, direct_chunks
 from .features import Features, _read, open_features
 from .latents import LATENTS, codes_of, csr
 from .sources import Rows, check_aligned, layer_rows
@@ -250,6 +251,7 @@ class TokenStream(IterableDataset):
         self.median_norms: dict[Key, float] | None = None
         self._features: list[Features] | None = opened
         self._spare: list[_Buffers] = []  # the last pass's buffers, for the next one in this process
+        self._direct: dict[tuple[str, str], DirectChunks | None] = {}  # (store path, layer): its reader
         if self.rules.high_norm is not None:
             self.median_norms = self._median_norms(opened)
 
@@ -280,7 +282,7 @@ class TokenStream(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_features=None, _spare=[])
+        state.update(_features=None, _spare=[], _direct={})
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -327,9 +329,18 @@ class TokenStream(IterableDataset):
         object is an error naming it (``Features``' own check)."""
         start, stop = self._bounds(chunk)
         array = features.array(layer)
-        return features._reads.checked(
-            f"features/{layer}", f"layer '{layer}'", [chunk], lambda: _read(array, slice(start, stop), into)
-        )
+        through_zarr = lambda: _read(array, slice(start, stop), into)  # noqa: E731
+        direct = self._direct_chunks(features, layer)
+        read = through_zarr if direct is None else lambda: direct.read(chunk, into, through_zarr)
+        return features._reads.checked(f"features/{layer}", f"layer '{layer}'", [chunk], read)
+
+    def _direct_chunks(self, features: Features, layer: str) -> DirectChunks | None:
+        """``layer``'s direct reader (an uncompressed layer on local disk: ``direct.py``), or None for zarr's
+        read; found once per store and layer (threads racing to find it find the same)."""
+        key = (str(features.path), layer)
+        if key not in self._direct:
+            self._direct[key] = direct_chunks(features.array(layer))
+        return self._direct[key]
 
     def _median_norms(self, opened: list[Features]) -> dict[Key, float]:
         if self.num_chunks <= NORM_SAMPLE_CHUNKS:
