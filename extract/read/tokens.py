@@ -169,8 +169,9 @@ class TokenStream(IterableDataset):
     DDP's ``join()``. ``set_epoch(e)`` reshuffles deterministically; call it before iterating (a
     DataLoader with ``persistent_workers=True`` would keep the workers' old epoch).
 
-    ``threads`` background threads read and decode the next window (whole chunks, through zarr, which
-    checks each object's checksum) while the consumer takes batches from this one, and convert it to
+    ``threads`` background threads read and decode the next window (whole chunks, each object's checksum
+    checked: an uncompressed layer on local disk read straight into the window, ``direct.py``, any other
+    through zarr) while the consumer takes batches from this one, and convert it to
     ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
     (``2 x window x chunk_size x D`` per source, times the patches per image) plus a stored chunk per
     thread. zarr's decode and the conversion release the GIL, so ``num_workers=0`` already uses several
