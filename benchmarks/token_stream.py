@@ -40,6 +40,7 @@ by the CPU time the variant used (all threads and reaped worker processes). Ever
 the files were just written and each variant runs once untimed first, so all come from the page cache.
 
     python benchmarks/token_stream.py --json stream.json [--megabytes 300] [--dim 768] [--repeats 3]
+    python benchmarks/token_stream.py --direct [--megabytes 80.25] [--repeats 7]   # issue 37: see direct_main
 """
 
 from __future__ import annotations
