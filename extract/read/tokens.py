@@ -532,7 +532,9 @@ class TokenStream(IterableDataset):
             array = features.array(source.layer)
             target = targets[index][at : at + samples * self.positions]
             direct = storage.numpy_view(target, array) if source.rows.contiguous else None
-            if direct is not None:  # zarr decodes straight into the window (bfloat16 too: its bits)
+            if direct is not None and not direct.flags.c_contiguous and self._direct_chunks(features, source.layer):
+                direct = None  # a stacked window's column: the direct read fills a thread's chunk, copied in
+            if direct is not None:  # decoded straight into the window (bfloat16 too: its bits)
                 self._read_stored(features, source.layer, chunk, _reshaped(direct, (samples, *source.rows.shape)))
                 keep &= self._under_norm(source, target)
                 continue
