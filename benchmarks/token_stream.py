@@ -510,6 +510,8 @@ def direct_variants(
     special = np.zeros(num_tokens, dtype=bool)
     path, npy_path = folder / f"{dtype}.zarr", folder / f"{dtype}.npy"
     rows = token_store(path, plan, args.dim, token_ids, special, [LAYER], 0, dtype, compressor="none")
+    other = folder / f"{dtype}-other.zarr"  # another model's rows of the same tokens, for the stacked pair
+    token_store(other, plan, args.dim, token_ids, special, [LAYER], 1, dtype, compressor="none")
     np.save(npy_path, rows)
     del rows
     array = open_features(path).array(LAYER)
@@ -519,8 +521,9 @@ def direct_variants(
     reused = np.empty((window_rows, args.dim), dtype=array.dtype)
     memmap_window = np.empty((window_rows, args.dim), dtype=array.dtype)
 
-    def stream(kind: type[TokenStream]) -> Callable[[], None]:
-        tokens = kind(path, LAYER, batch, window=args.window, threads=2, dtype=dtype)
+    def stream(kind: type[TokenStream], stores: Any = path) -> Callable[[], None]:
+        stack = not isinstance(stores, Path)
+        tokens = kind(stores, LAYER, batch, window=args.window, threads=2, dtype=dtype, stack=stack)
 
         def epoch() -> None:
             tokens.set_epoch(next(epochs))
@@ -561,6 +564,8 @@ def direct_variants(
         f"h_npy_memmap_{dtype}": npy_memmap,
         f"h_zarr_read_in_order_{dtype}": codec_in_order,
         f"h_direct_read_in_order_{dtype}": direct_in_order,
+        f"h_stack_direct_{dtype}": stream(TokenStream, [path, other]),
+        f"h_stack_zarr_{dtype}": stream(_ThroughZarr, [path, other]),
     }
     return variants, num_tokens, plan.chunk_size
 
@@ -576,6 +581,8 @@ def direct_main(args: argparse.Namespace) -> int:
                           permuted and gathered into fresh batches of the stored dtype
         h_zarr_read_in_order, h_direct_read_in_order: the chunks in order into one reused window, through
                           zarr and through the direct read: the floors, no shuffle, no batches
+        h_stack_direct, h_stack_zarr: ``TokenStream([store, other], L, stack=True)`` over a second store of
+                          the same tokens, direct and through zarr (GB/s of both stores' bytes)
     """
     torch.set_num_threads(os.cpu_count() or 1)
     load_before = round(os.getloadavg()[0], 2)
@@ -589,8 +596,9 @@ def direct_main(args: argparse.Namespace) -> int:
             variants = {name: run for name, run in variants.items() if name in args.variants.split(",")}
         seconds, cpu = timed(variants, args.repeats)
     nbytes = num_tokens * args.dim * 2
-    rates = {name: nbytes / s / 1e9 for name, s in seconds.items()}
-    cpu_per_gb = {name: c / (nbytes / 1e9) for name, c in cpu.items()}
+    read = {name: nbytes * (2 if name.startswith("h_stack_") else 1) for name in seconds}  # a pair: both stores
+    rates = {name: read[name] / s / 1e9 for name, s in seconds.items()}
+    cpu_per_gb = {name: c / (read[name] / 1e9) for name, c in cpu.items()}
     memmap = {name: f"h_npy_memmap_{name.rpartition('_')[2]}" for name in seconds}
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
