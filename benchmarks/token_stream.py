@@ -40,6 +40,7 @@ by the CPU time the variant used (all threads and reaped worker processes). Ever
 the files were just written and each variant runs once untimed first, so all come from the page cache.
 
     python benchmarks/token_stream.py --json stream.json [--megabytes 300] [--dim 768] [--repeats 3]
+    python benchmarks/token_stream.py --direct [--megabytes 80.25] [--repeats 7]   # issue 37: see direct_main
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from extract.job.plan import MAX_TOKEN_CHUNK_SIZE, default_chunk_size  # noqa: E402
+from extract.read.direct import direct_chunks  # noqa: E402
 from extract.read.features import _read, open_features  # noqa: E402
 from extract.read.tokens import TokenStream  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
@@ -86,10 +88,18 @@ def activations(rows: int, dim: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def token_store(
-    path: Path, plan: Plan, dim: int, token_ids: np.ndarray, special: np.ndarray, layers: list[str], seed: int
+    path: Path,
+    plan: Plan,
+    dim: int,
+    token_ids: np.ndarray,
+    special: np.ndarray,
+    layers: list[str],
+    seed: int,
+    dtype: str = "float16",
+    compressor: str = "zstd",
 ) -> np.ndarray:
     """A complete token store of ``layers`` over ``token_ids``, in contexts of ``CONTEXT``; returns its
-    first layer's rows."""
+    first layer's rows as stored (bfloat16: the bits, ``uint16``)."""
     num_tokens, contexts = plan.num_samples, plan.num_samples // CONTEXT
     text = TextArrays(
         offsets=np.arange(contexts + 1, dtype=np.int64) * CONTEXT,
@@ -101,22 +111,29 @@ def token_store(
         shapes=dict.fromkeys(layers, (dim,)),
         num_samples=num_tokens,
         chunk_size=plan.chunk_size,
-        dtype="float16",
-        compressor="zstd",
+        dtype=dtype,
+        compressor=compressor,
         attrs={"status": "running", "layers": layers, "num_samples": num_tokens, "chunk_size": plan.chunk_size},
         kind="tokens",
         text=text,
     )
     rng = np.random.default_rng(seed)
-    first = np.empty((num_tokens, dim), dtype=np.float16)
+    first = np.empty((num_tokens, dim), dtype=np.uint16 if dtype == "bfloat16" else np.float16)
     for chunk in range(plan.num_chunks):
         start, stop = plan.bounds(chunk)
-        values = {layer: activations(stop - start, dim, rng) for layer in layers}
+        values = {layer: stored(activations(stop - start, dim, rng), dtype) for layer in layers}
         first[start:stop] = values[layers[0]]
         columns = {"token_ids": token_ids[start:stop], "special": special[start:stop]}
         store.write_chunk(chunk, start, stop, values, None, None, columns)
     store.update_attrs(status="complete")
     return first
+
+
+def stored(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float16 ``values`` as a layer of ``dtype`` stores them (bfloat16: its bits)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16).view(torch.uint16).numpy()
+    return values.astype(dtype)
 
 
 def patch_store(path: Path, megabytes: float, dim: int) -> tuple[int, int]:
@@ -264,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sources", action="store_true", help="leave out the f_ and g_ variants and their data")
     p.add_argument("--dir", type=Path, help="where to write the data (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--direct", action="store_true", help="only the h_ variants: the direct read of uncompressed stores (issue 37)"
+    )
     args = p.parse_args(argv)
+    if args.direct:
+        return direct_main(args)
     torch.set_num_threads(os.cpu_count() or 1)
     load_before = round(os.getloadavg()[0], 2)
 
@@ -467,6 +489,147 @@ class _Single:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (batch[LAYER] for batch in self.stream)
+
+
+class _ThroughZarr(TokenStream):
+    """The stream as it was before the direct read: every chunk decoded by zarr."""
+
+    def _direct_chunks(self, features: Any, layer: str) -> None:
+        return None
+
+
+def direct_variants(
+    folder: Path, args: argparse.Namespace, epochs: Iterator[int], dtype: str
+) -> tuple[dict[str, Callable[[], Any]], int, int]:
+    """The h_ variants of one stored ``dtype`` (the docstring of ``direct_main``): {name: run}, the rows and
+    the chunk size."""
+    row_bytes = args.dim * 2
+    num_tokens = max(CONTEXT, int(args.megabytes * 1e6) // row_bytes // CONTEXT * CONTEXT)
+    plan = Plan(num_tokens, args.chunk_size or default_chunk_size(num_tokens, row_bytes, largest=MAX_TOKEN_CHUNK_SIZE))
+    token_ids = np.random.default_rng(0).integers(1, 50000, num_tokens, dtype=np.int32)
+    special = np.zeros(num_tokens, dtype=bool)
+    path, npy_path = folder / f"{dtype}.zarr", folder / f"{dtype}.npy"
+    rows = token_store(path, plan, args.dim, token_ids, special, [LAYER], 0, dtype, compressor="none")
+    other = folder / f"{dtype}-other.zarr"  # another model's rows of the same tokens, for the stacked pair
+    token_store(other, plan, args.dim, token_ids, special, [LAYER], 1, dtype, compressor="none")
+    np.save(npy_path, rows)
+    del rows
+    array = open_features(path).array(LAYER)
+    reader = direct_chunks(array)
+    assert reader is not None, "the uncompressed store must take the direct read"
+    window_rows, batch = args.window * plan.chunk_size, args.batch_size
+    reused = np.empty((window_rows, args.dim), dtype=array.dtype)
+    memmap_window = np.empty((window_rows, args.dim), dtype=array.dtype)
+
+    def stream(kind: type[TokenStream], stores: Any = path) -> Callable[[], None]:
+        stack = not isinstance(stores, Path)
+        tokens = kind(stores, LAYER, batch, window=args.window, threads=2, dtype=dtype, stack=stack)
+
+        def epoch() -> None:
+            tokens.set_epoch(next(epochs))
+            assert sum(len(b) for b in tokens) == num_tokens
+
+        return epoch
+
+    def npy_memmap() -> None:
+        """The chunks in a shuffled order, ``window`` at a time copied from the memmap into one window,
+        its rows permuted and gathered into fresh batches of the stored dtype (as the stream does; the
+        rest of a window is emitted short, which the stream carries instead)."""
+        source = np.load(npy_path, mmap_mode="r")
+        rng = np.random.default_rng(next(epochs))
+        order = rng.permutation(plan.num_chunks)
+        delivered = 0
+        for w in range(0, len(order), args.window):
+            at = 0
+            for chunk in order[w : w + args.window]:
+                start, stop = plan.bounds(int(chunk))
+                memmap_window[at : at + stop - start] = source[start:stop]
+                at += stop - start
+            permuted = rng.permutation(at)
+            for b in range(0, at, batch):
+                delivered += len(np.take(memmap_window, permuted[b : b + batch], axis=0))
+        assert delivered == num_tokens
+
+    def codec_in_order() -> None:
+        for start in range(0, num_tokens, window_rows):
+            _read(array, slice(start, min(start + window_rows, num_tokens)), reused)
+
+    def direct_in_order() -> None:
+        for chunk in range(plan.num_chunks):
+            reader.read(chunk, reused, fallback=lambda: None)
+
+    variants = {
+        f"h_stream_direct_{dtype}": stream(TokenStream),
+        f"h_stream_zarr_{dtype}": stream(_ThroughZarr),
+        f"h_npy_memmap_{dtype}": npy_memmap,
+        f"h_zarr_read_in_order_{dtype}": codec_in_order,
+        f"h_direct_read_in_order_{dtype}": direct_in_order,
+        f"h_stack_direct_{dtype}": stream(TokenStream, [path, other]),
+        f"h_stack_zarr_{dtype}": stream(_ThroughZarr, [path, other]),
+    }
+    return variants, num_tokens, plan.chunk_size
+
+
+def direct_main(args: argparse.Namespace) -> int:
+    """Issue 37, the direct read (``extract/read/direct.py``), float16 and bfloat16 stores written with
+    ``--compressor none`` (bytes + crc32c), one epoch each, interleaved:
+
+        h_stream_direct   TokenStream(batch_size, window, threads=2, dtype=the stored dtype): chunks read
+                          straight into the window, crc32c checked in place
+        h_stream_zarr     the same stream with every chunk decoded by zarr, as before (``_ThroughZarr``)
+        h_npy_memmap      a ``.npy`` memmap of the same rows: the same shuffled chunks and windows, rows
+                          permuted and gathered into fresh batches of the stored dtype
+        h_zarr_read_in_order, h_direct_read_in_order: the chunks in order into one reused window, through
+                          zarr and through the direct read: the floors, no shuffle, no batches
+        h_stack_direct, h_stack_zarr: ``TokenStream([store, other], L, stack=True)`` over a second store of
+                          the same tokens, direct and through zarr (GB/s of both stores' bytes)
+    """
+    torch.set_num_threads(os.cpu_count() or 1)
+    load_before = round(os.getloadavg()[0], 2)
+    epochs = iter(range(10**6))
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        variants: dict[str, Callable[[], Any]] = {}
+        for dtype in ("float16", "bfloat16"):
+            made, num_tokens, chunk_size = direct_variants(Path(tmp), args, epochs, dtype)
+            variants |= made
+        if args.variants:
+            variants = {name: run for name, run in variants.items() if name in args.variants.split(",")}
+        seconds, cpu = timed(variants, args.repeats)
+    nbytes = num_tokens * args.dim * 2
+    read = {name: nbytes * (2 if name.startswith("h_stack_") else 1) for name in seconds}  # a pair: both stores
+    rates = {name: read[name] / s / 1e9 for name, s in seconds.items()}
+    cpu_per_gb = {name: c / (read[name] / 1e9) for name, c in cpu.items()}
+    memmap = {name: f"h_npy_memmap_{name.rpartition('_')[2]}" for name in seconds}
+    result = {
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
+        "versions": {"torch": torch.__version__, "zarr": zarr.__version__, "numpy": np.__version__},
+        "load_average_1min": {"before": load_before, "after": round(os.getloadavg()[0], 2)},
+        "num_tokens": num_tokens,
+        "dim": args.dim,
+        "chunk_size": chunk_size,
+        "bytes": nbytes,
+        "batch_size": args.batch_size,
+        "window": args.window,
+        "repeats": args.repeats,
+        "seconds": {k: round(v, 4) for k, v in seconds.items()},
+        "gb_per_s": {k: round(v, 3) for k, v in rates.items()},
+        "cpu_seconds_per_gb": {k: round(v, 3) for k, v in cpu_per_gb.items()},
+    }
+    print(
+        f"{num_tokens} tokens x {args.dim} ({nbytes / 1e6:.0f} MB a dtype), chunks of {chunk_size}, "
+        f"batch {args.batch_size}, window {args.window}, --compressor none"
+    )
+    print(f"{'variant':<32} {'seconds':>8} {'GB/s':>7} {'CPU-s/GB':>9} {'GB/s / memmap':>14} {'CPU / memmap':>13}")
+    for name, s in seconds.items():
+        base = memmap[name]
+        versus = (
+            f"{rates[name] / rates[base]:>14.2f} {cpu_per_gb[name] / cpu_per_gb[base]:>13.2f}" if base in rates else ""
+        )
+        print(f"{name:<32} {s:>8.3f} {rates[name]:>7.2f} {cpu_per_gb[name]:>9.3f} {versus}")
+    print(f"1-min load average {load_before} -> {result['load_average_1min']['after']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ..store import dtypes as storage
 from ..store.chunks import Plan
 from ..store.location import Location, check_not_forked, locate
 from .dataset import _rank_and_world_size
+from .direct import DirectChunks, direct_chunks
 from .features import Features, _read, open_features
 from .latents import LATENTS, codes_of, csr
 from .sources import Rows, check_aligned, layer_rows
@@ -168,8 +169,9 @@ class TokenStream(IterableDataset):
     DDP's ``join()``. ``set_epoch(e)`` reshuffles deterministically; call it before iterating (a
     DataLoader with ``persistent_workers=True`` would keep the workers' old epoch).
 
-    ``threads`` background threads read and decode the next window (whole chunks, through zarr, which
-    checks each object's checksum) while the consumer takes batches from this one, and convert it to
+    ``threads`` background threads read and decode the next window (whole chunks, each object's checksum
+    checked: an uncompressed layer on local disk read straight into the window, ``direct.py``, any other
+    through zarr) while the consumer takes batches from this one, and convert it to
     ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
     (``2 x window x chunk_size x D`` per source, times the patches per image) plus a stored chunk per
     thread. zarr's decode and the conversion release the GIL, so ``num_workers=0`` already uses several
@@ -250,6 +252,7 @@ class TokenStream(IterableDataset):
         self.median_norms: dict[Key, float] | None = None
         self._features: list[Features] | None = opened
         self._spare: list[_Buffers] = []  # the last pass's buffers, for the next one in this process
+        self._direct: dict[tuple[str, str], DirectChunks | None] = {}  # (store path, layer): its reader
         if self.rules.high_norm is not None:
             self.median_norms = self._median_norms(opened)
 
@@ -280,7 +283,7 @@ class TokenStream(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_features=None, _spare=[])
+        state.update(_features=None, _spare=[], _direct={})
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -327,9 +330,18 @@ class TokenStream(IterableDataset):
         object is an error naming it (``Features``' own check)."""
         start, stop = self._bounds(chunk)
         array = features.array(layer)
-        return features._reads.checked(
-            f"features/{layer}", f"layer '{layer}'", [chunk], lambda: _read(array, slice(start, stop), into)
-        )
+        through_zarr = lambda: _read(array, slice(start, stop), into)  # noqa: E731
+        direct = self._direct_chunks(features, layer)
+        read = through_zarr if direct is None else lambda: direct.read(chunk, into, through_zarr)
+        return features._reads.checked(f"features/{layer}", f"layer '{layer}'", [chunk], read)
+
+    def _direct_chunks(self, features: Features, layer: str) -> DirectChunks | None:
+        """``layer``'s direct reader (an uncompressed layer on local disk: ``direct.py``), or None for zarr's
+        read; found once per store and layer (threads racing to find it find the same)."""
+        key = (str(features.path), layer)
+        if key not in self._direct:
+            self._direct[key] = direct_chunks(features.array(layer))
+        return self._direct[key]
 
     def _median_norms(self, opened: list[Features]) -> dict[Key, float]:
         if self.num_chunks <= NORM_SAMPLE_CHUNKS:
@@ -520,7 +532,9 @@ class TokenStream(IterableDataset):
             array = features.array(source.layer)
             target = targets[index][at : at + samples * self.positions]
             direct = storage.numpy_view(target, array) if source.rows.contiguous else None
-            if direct is not None:  # zarr decodes straight into the window (bfloat16 too: its bits)
+            if direct is not None and not direct.flags.c_contiguous and self._direct_chunks(features, source.layer):
+                direct = None  # a stacked window's column: the direct read fills a thread's chunk, copied in
+            if direct is not None:  # decoded straight into the window (bfloat16 too: its bits)
                 self._read_stored(features, source.layer, chunk, _reshaped(direct, (samples, *source.rows.shape)))
                 keep &= self._under_norm(source, target)
                 continue
