@@ -93,7 +93,9 @@ def resolve_layers(
             raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases), suffix))
         if suffix == ROUTER_SUFFIX:  # only an MoE block has a routing: said now, before any forward
             blocks = set(moe_blocks(model))
-            found = [n for n in found if n in blocks] or [router_name(model, found[0])]
+            if not any(n in blocks for n in found):
+                router_name(model, found[0])  # raises: names the module and the model's MoE blocks
+            found = [n for n in found if n in blocks]
         refs.extend(
             LayerRef(n, selector, input=suffix == INPUT_SUFFIX, router=suffix == ROUTER_SUFFIX) for n in found
         )

@@ -36,14 +36,21 @@ EXPERTS_CHILD = "experts"
 ARCHITECTURE = "router"  # what ``latents/BLOCK@router`` records as its architecture
 
 
+def _router_child(module: nn.Module) -> str | None:
+    """The name of ``module``'s router child (a ``...TopKRouter`` called ``gate`` or ``router``), if any."""
+    for child in ROUTER_CHILDREN:
+        sub = getattr(module, child, None)
+        if isinstance(sub, nn.Module) and "router" in type(sub).__name__.lower():
+            return child
+    return None
+
+
 def router_name(model: nn.Module, block: str) -> str:
     """The router of MoE block ``block`` (``model.layers.0.mlp`` -> ``model.layers.0.mlp.gate``); refused
     in one line where ``block`` has none."""
-    modules = dict(model.named_modules())
-    for child in ROUTER_CHILDREN:
-        name = f"{block}.{child}"
-        if name in modules and "router" in type(modules[name]).__name__.lower():
-            return name
+    child = _router_child(model.get_submodule(block))
+    if child is not None:
+        return f"{block}.{child}"
     blocks = moe_blocks(model)
     hint = f"; its MoE blocks are e.g. {blocks[0]}{ROUTER_SUFFIX}" if blocks else "; this model has no MoE block"
     raise ExtractError(
@@ -54,14 +61,7 @@ def router_name(model: nn.Module, block: str) -> str:
 
 def moe_blocks(model: nn.Module) -> list[str]:
     """The model's MoE blocks: the modules with a router child."""
-    names = []
-    for name, module in model.named_modules():
-        for child in ROUTER_CHILDREN:
-            sub = getattr(module, child, None)
-            if isinstance(sub, nn.Module) and "router" in type(sub).__name__.lower():
-                names.append(name)
-                break
-    return names
+    return [name for name, module in model.named_modules() if _router_child(module) is not None]
 
 
 def check_moe_layers(model: nn.Module, refs: Sequence[LayerRef]) -> None:
@@ -128,7 +128,8 @@ class RouterCodes:
 
 def router_codes(model: nn.Module, ref: LayerRef, packed_width: int) -> RouterCodes:
     """``RouterCodes`` of ``ref`` from its set-up forward's packed width (E + 2k) and its router's experts."""
-    router = dict(model.named_modules())[router_name(model, ref.module)]
+    name = router_name(model, ref.module)
+    router = model.get_submodule(name)
     experts = getattr(router, "num_experts", None)
     k = getattr(router, "top_k", None)
     if not isinstance(experts, int) or not isinstance(k, int) or experts + 2 * k != packed_width:
@@ -136,4 +137,4 @@ def router_codes(model: nn.Module, ref: LayerRef, packed_width: int) -> RouterCo
             f"layer '{ref.name}': its router's output (width {packed_width}) is not E logits and k experts with "
             f"their weights (num_experts={experts}, top_k={k}); capture the block's output instead"
         )
-    return RouterCodes(router_name(model, ref.module), experts, k)
+    return RouterCodes(name, experts, k)
