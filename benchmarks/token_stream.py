@@ -521,9 +521,9 @@ def direct_variants(
     reused = np.empty((window_rows, args.dim), dtype=array.dtype)
     memmap_window = np.empty((window_rows, args.dim), dtype=array.dtype)
 
-    def stream(kind: type[TokenStream], stores: Any = path) -> Callable[[], None]:
+    def stream(kind: type[TokenStream], stores: Any = path, threads: int = 2) -> Callable[[], None]:
         stack = not isinstance(stores, Path)
-        tokens = kind(stores, LAYER, batch, window=args.window, threads=2, dtype=dtype, stack=stack)
+        tokens = kind(stores, LAYER, batch, window=args.window, threads=threads, dtype=dtype, stack=stack)
 
         def epoch() -> None:
             tokens.set_epoch(next(epochs))
@@ -560,6 +560,8 @@ def direct_variants(
 
     variants = {
         f"h_stream_direct_{dtype}": stream(TokenStream),
+        f"h_stream_direct_t1_{dtype}": stream(TokenStream, threads=1),
+        f"h_stream_direct_t0_{dtype}": stream(TokenStream, threads=0),
         f"h_stream_zarr_{dtype}": stream(_ThroughZarr),
         f"h_npy_memmap_{dtype}": npy_memmap,
         f"h_zarr_read_in_order_{dtype}": codec_in_order,

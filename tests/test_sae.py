@@ -130,8 +130,10 @@ def test_blocks_and_merged_stats_equal_one_pass(saved):
     np.testing.assert_array_equal(torch.cat([p.indices for p in parts]).numpy(), codes.indices.numpy())
     np.testing.assert_allclose(torch.cat([p.values for p in parts]).float().numpy(), codes.values.float().numpy())
     merged = first.merge(second).numpy()
+    # the stats are of the float32 dense codes, whose matmul may round a last bit differently for a block
+    # of 7 rows than for 100 (the BLAS picks its kernel by shape): equal to float32's precision, not bitwise
     for name, want in one.numpy().items():
-        np.testing.assert_allclose(merged[name], want, rtol=1e-9, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(merged[name], want, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def test_default_k_pads_rows_with_minus_one(saved):

@@ -4,9 +4,13 @@ checksums verified in place: what zarr would return, at the disk's speed.
 A layer written with ``--compressor none`` has the codec chain ``bytes`` (little-endian) + ``crc32c``: each
 chunk's object is the chunk's rows in C order, padded to the full chunk shape at the array's end, then
 the crc32c of those bytes, 4 bytes little-endian (zarr's ``Crc32cCodec``). zarr reads the object into a
-fresh buffer, checks it, and copies the rows out; here ``readinto`` fills the caller's rows and the
-checksum is computed over them where they lie, with the hardware-accelerated ``crc32c`` package (22 GB/s
-here against 4.5 for ``google_crc32c``, which zarr uses; ``benchmarks/token_stream.py``).
+fresh buffer, checks it, and copies the rows out; here the object is mapped (``mmap``), its checksum
+computed over the mapping, in the page cache, with the hardware-accelerated ``crc32c`` package (22 GB/s
+here against 4.5 for ``google_crc32c``, which zarr uses; ``benchmarks/token_stream.py``), and its rows
+copied from there into the caller's: one copy, as from a numpy memmap.
+
+The object's size is checked before it is mapped. An object truncated while it is mapped would end the
+process with SIGBUS, as for any memmap; the readers take only complete stores, which nothing rewrites.
 
 Anything else is left to zarr: another codec (a compressor, sharding, a transpose), another store (object
 storage, a wrapper), chunks that split a row, big-endian bytes, a destination that is not one contiguous
@@ -17,6 +21,8 @@ codec raises: ``CheckedReads.checked`` then names the chunk, as for a zarr read.
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,23 +78,25 @@ class DirectChunks:
         target = into[:rows]
         if not _fits(target, self.array):
             return fallback()
+        path = self.object_path(chunk)
         try:
-            file = open(self.object_path(chunk), "rb", buffering=0)  # noqa: SIM115 - closed below
+            file = open(path, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
             return fallback()
-        with file:
-            data = memoryview(target.reshape(-1).view(np.uint8))
-            crc = _extend(0, data[: _read_into(file, data)])
-            padding = self.chunk_bytes - len(data)  # the last chunk's object is padded to the full chunk
-            if padding:
-                crc = _extend(crc, memoryview(file.read(padding)))
-            tail = file.read(CHECKSUM_BYTES + 1)
         expected = self.chunk_bytes + CHECKSUM_BYTES
-        if len(tail) != CHECKSUM_BYTES:
-            raise ChecksumMismatch(f"{self.object_path(chunk)} is not {expected} bytes long")
-        stored = int.from_bytes(tail, "little")
-        if stored != crc:
-            raise ChecksumMismatch(f"stored crc32c {stored:#010x}, computed {crc:#010x}")
+        with file:
+            if os.fstat(file.fileno()).st_size != expected:
+                raise ChecksumMismatch(f"{path} is not {expected} bytes long")
+            # mapped, not read: the checksum and the copy read the page cache where it lies, which costs
+            # 0.15 CPU-s/GB here against 0.23 for readinto's kernel copy and then the checksum
+            # (benchmarks/token_stream.py --direct)
+            with mmap.mmap(file.fileno(), expected, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as data:
+                crc = _extend(0, data[: self.chunk_bytes])
+                stored = int.from_bytes(data[self.chunk_bytes :], "little")
+                if stored != crc:
+                    raise ChecksumMismatch(f"stored crc32c {stored:#010x}, computed {crc:#010x}")
+                rows_bytes = target.reshape(-1).view(np.uint8)
+                rows_bytes[:] = np.frombuffer(data, np.uint8, count=rows_bytes.size)
         return target
 
 
@@ -117,14 +125,3 @@ def _fits(target: np.ndarray, array: zarr.Array) -> bool:
         and target.shape[1:] == tuple(array.shape[1:])
         and target.dtype.byteorder in "=|<"
     )
-
-
-def _read_into(file: object, data: memoryview) -> int:
-    """Fill ``data`` from ``file`` (a short read is retried; the end of the file stops it): the bytes read."""
-    done = 0
-    while done < len(data):
-        got = file.readinto(data[done:])  # type: ignore[attr-defined]
-        if not got:
-            break
-        done += got
-    return done
