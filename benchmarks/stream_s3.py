@@ -12,12 +12,14 @@ median of ``--repeats``:
 - straight to moto on loopback (a round trip of well under a millisecond), and
 - through a proxy (a process of its own) that delays every piece a client sends by ``--latency-ms``
   before the server gets it, so that each request waits that long for its answer, as S3's first byte does
-  (the answer itself is not delayed).
+  (the answer itself is not delayed), and
+- through one that does the same and also sends each connection's answers at ``--connection-mb-s`` at
+  most, as S3 serves one connection (obstore opens a connection per request in flight): the S3-like case.
 
 GB/s are of stored float16 bytes delivered (1 GB = 1e9 B); CPU-s/GB is of this process (every thread:
 the stream's, zarr's, obstore's), not of the server or the proxy.
 
-    python benchmarks/stream_s3.py [--megabytes 80] [--latency-ms 25] [--repeats 3] [--json out.json]
+    python benchmarks/stream_s3.py [--megabytes 80] [--latency-ms 25] [--connection-mb-s 90] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,13 +54,16 @@ from extract.read.tokens import TokenStream  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 
 
-async def _delaying_proxy(listen: int, upstream: int, delay: float) -> None:
-    """Forward 127.0.0.1:``listen`` to 127.0.0.1:``upstream``; what a client sends reaches the server
-    ``delay`` seconds later (in order, each piece on its own clock, so a long upload is not slowed)."""
+async def _delaying_proxy(listen: int, upstream: int, delay: float, rate: float) -> None:
+    """Forward 127.0.0.1:``listen`` to 127.0.0.1:``upstream``: what a client sends reaches the server
+    ``delay`` seconds later (in order, each piece on its own clock, so a long upload is not slowed), and
+    what the server answers reaches the client at ``rate`` bytes a second at most per connection (0: as
+    fast as it comes)."""
     loop = asyncio.get_running_loop()
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, late: float) -> None:
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, late: float, rate: float) -> None:
         pieces: asyncio.Queue = asyncio.Queue()
+        free = loop.time()  # when the connection has sent what it was given, at ``rate``
 
         async def deliver() -> None:
             while (piece := await pieces.get()) is not None:
@@ -70,8 +75,10 @@ async def _delaying_proxy(listen: int, upstream: int, delay: float) -> None:
 
         delivering = asyncio.create_task(deliver())
         try:
-            while data := await reader.read(1 << 18):
-                await pieces.put((loop.time() + late, data))
+            while data := await reader.read(1 << 16):
+                if rate:
+                    free = max(free, loop.time()) + len(data) / rate
+                await pieces.put((free if rate else loop.time() + late, data))
         except ConnectionError:
             pass
         await pieces.put(None)
@@ -80,7 +87,9 @@ async def _delaying_proxy(listen: int, upstream: int, delay: float) -> None:
     async def connect(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", upstream)
         await asyncio.gather(
-            pipe(client_reader, server_writer, delay), pipe(server_reader, client_writer, 0.0), return_exceptions=True
+            pipe(client_reader, server_writer, delay, 0.0),
+            pipe(server_reader, client_writer, 0.0, rate),
+            return_exceptions=True,
         )
 
     server = await asyncio.start_server(connect, "127.0.0.1", listen)
@@ -88,11 +97,11 @@ async def _delaying_proxy(listen: int, upstream: int, delay: float) -> None:
         await server.serve_forever()
 
 
-def start_proxy(upstream: str, delay_ms: float) -> tuple[subprocess.Popen, str]:
+def start_proxy(upstream: str, delay_ms: float, mb_per_s: float = 0) -> tuple[subprocess.Popen, str]:
     """The delaying proxy in front of ``upstream`` (http://127.0.0.1:PORT), in a process of its own."""
     port = free_port()
     proxy = subprocess.Popen(
-        [sys.executable, __file__, "--proxy", str(port), upstream.rpartition(":")[2], str(delay_ms)],
+        [sys.executable, __file__, "--proxy", str(port), upstream.rpartition(":")[2], str(delay_ms), str(mb_per_s)],
         stdout=subprocess.DEVNULL,
     )
     for _ in range(200):
@@ -138,16 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=25, help="the proxy's delay per request (default 25)")
     p.add_argument("--repeats", type=int, default=3, help="timed epochs per variant, median reported (default 3)")
     p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--proxy", nargs=3, metavar=("LISTEN", "UPSTREAM", "DELAY_MS"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--connection-mb-s", type=float, default=90, help="the S3-like proxy's cap per connection, MB/s (default 90)"
+    )
+    p.add_argument("--proxy", nargs=4, metavar=("LISTEN", "UPSTREAM", "DELAY_MS", "MB_S"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.proxy:
-        listen, upstream, delay_ms = args.proxy
-        asyncio.run(_delaying_proxy(int(listen), int(upstream), float(delay_ms) / 1000))
+        listen, upstream, delay_ms, mb_per_s = args.proxy
+        asyncio.run(_delaying_proxy(int(listen), int(upstream), float(delay_ms) / 1000, float(mb_per_s) * 1e6))
         return 0
 
     load_before = round(os.getloadavg()[0], 2)
     server, endpoint = start_server()
-    proxy, delayed = start_proxy(endpoint, args.latency_ms)
+    delaying, delayed = start_proxy(endpoint, args.latency_ms)
+    capping, capped = start_proxy(endpoint, args.latency_ms, args.connection_mb_s)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             row_bytes = args.dim * 2
@@ -160,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
             url = upload(endpoint, local, f"s3stream-{uuid.uuid4().hex[:8]}/tokens.zarr")
         epochs = iter(range(10**6))
         variants: dict[str, Callable[[], None]] = {}
-        for place, at in (("loopback", endpoint), (f"+{args.latency_ms:g} ms", delayed)):
+        places = {
+            "loopback": endpoint,
+            f"+{args.latency_ms:g} ms": delayed,
+            f"+{args.latency_ms:g} ms, {args.connection_mb_s:g} MB/s": capped,
+        }
+        for place, at in places.items():
             point_at(at)  # the streams made now open their stores through ``at``
             for name, reads in (("per_chunk", per_chunk_reads), ("prefetch", None)):
                 stream = TokenStream(url, LAYER, args.batch_size, window=args.window, threads=2, dtype="float16")
@@ -173,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 variants[f"{place} {name}"] = epoch
         seconds, cpu = timed(variants, args.repeats)
     finally:
-        proxy.kill()
-        server.kill()
+        for process in (capping, delaying, server):
+            process.kill()
     nbytes = num_tokens * row_bytes
     rates = {name: nbytes / s / 1e9 for name, s in seconds.items()}
     cpu_per_gb = {name: c / (nbytes / 1e9) for name, c in cpu.items()}
@@ -191,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "window": args.window,
         "latency_ms": args.latency_ms,
+        "connection_mb_s": args.connection_mb_s,
         "repeats": args.repeats,
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
         "gb_per_s": {k: round(v, 3) for k, v in rates.items()},
@@ -201,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{plan.chunk_size} ({plan.chunk_size * row_bytes / 1e6:.1f} MB), --compressor {args.compressor}, "
         f"batch {args.batch_size}, window {args.window}, threads 2"
     )
-    print(f"{'variant':<24} {'seconds':>8} {'GB/s':>7} {'CPU-s/GB':>9}")
+    print(f"{'variant':<34} {'seconds':>8} {'GB/s':>7} {'CPU-s/GB':>9}")
     for name, s in seconds.items():
-        print(f"{name:<24} {s:>8.3f} {rates[name]:>7.3f} {cpu_per_gb[name]:>9.3f}")
+        print(f"{name:<34} {s:>8.3f} {rates[name]:>7.3f} {cpu_per_gb[name]:>9.3f}")
     print(f"1-min load average {load_before} -> {result['load_average_1min']['after']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
