@@ -159,3 +159,30 @@ def test_a_flipped_byte_in_a_chunk_object_on_s3_is_the_damage_naming_its_chunk(f
     with pytest.raises(StoreDamagedError) as per_chunk:
         list(TokenStream(url, LAYERS, 64, window=8))
     assert str(prefetched.value) == str(per_chunk.value)
+
+
+def test_stacked_and_in_consumer_streams_over_s3_are_the_local_copys(stores):
+    """The window's stacked (rows, sources, D) buffer and ``threads=0`` (the reads in the consumer, after the
+    window's GETs were started) take the prefetched objects too."""
+    local, url = stores["zstd", "float16"]
+    for options in ({"stack": True}, {"threads": 0}):
+        batches = [list(TokenStream(store, LAYERS, 40, window=4, return_index=True, seed=5, dtype="float16",
+                                    **options)) for store in (local, url)]  # fmt: skip
+        assert len(batches[0]) == len(batches[1]) > 4
+        for (a, rows_a), (b, rows_b) in zip(*batches, strict=True):
+            assert torch.equal(rows_a, rows_b)
+            pairs = [(a, b)] if options.get("stack") else [(a[layer], b[layer]) for layer in LAYERS]
+            assert all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in pairs)
+
+
+def test_a_spawned_dataloader_worker_opens_the_store_and_prefetches_in_its_own_process(stores, chunk_gets):
+    from torch.utils.data import DataLoader
+
+    local, url = stores["none", "float16"]
+    expected = [rows.numpy() for _, rows in TokenStream(local, LAYERS[0], 64, window=4, return_index=True)]
+    stream = TokenStream(url, LAYERS[0], 64, window=4, return_index=True)
+    chunk_gets.update(hold=4, peak=0)  # the server is in this process: it sees the worker's GETs
+    loader = DataLoader(stream, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    got = [rows.numpy() for _, rows in loader]
+    assert len(got) == len(expected) and all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert chunk_gets["peak"] >= 4  # a window's 4 objects at once, from the worker's own event loop
