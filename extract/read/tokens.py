@@ -176,7 +176,8 @@ class TokenStream(IterableDataset):
     the consumer takes batches from this one, and convert it to
     ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
     (``2 x window x chunk_size x D`` per source, times the patches per image) plus a stored chunk per
-    thread (and on object storage the next window's objects, each until it is read). zarr's decode and the conversion release the GIL, so ``num_workers=0`` already uses several
+    thread (and on object storage the next window's objects, each until it is read). zarr's decode and
+    the conversion release the GIL, so ``num_workers=0`` already uses several
     cores; DataLoader workers add a copy of every batch through shared memory, which on a small machine
     costs more than the decode (``benchmarks/token_stream.py``).
 
