@@ -6,14 +6,13 @@ and ``compare``."""
 import json
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from helpers import TINY
 from helpers.forked import fork_run
-from helpers.s3 import S3Prefix
+from helpers.s3 import S3Prefix, upload
 
 from extract import open_features
 from extract.cli.compare import main as compare_main
@@ -24,15 +23,6 @@ from extract.store.store import FeatureStore
 
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "fc", "--image-size", "32", "--num-workers", "0",
        "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4", "--data", "synthetic:48"]  # fmt: skip
-
-
-def upload(s3: S3Prefix, local: Path, name: str) -> str:
-    """Every file of the store at ``local`` as an object under ``s3``'s prefix; returns the store's URL."""
-    client = s3.server.client()
-    for file in sorted(local.rglob("*")):
-        if file.is_file():
-            client.upload_file(str(file), s3.server.bucket, f"{s3.prefix}/{name}/{file.relative_to(local)}")
-    return s3.url(name)
 
 
 @pytest.fixture(scope="module")

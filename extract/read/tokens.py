@@ -26,6 +26,7 @@ from .dataset import _rank_and_world_size
 from .direct import DirectChunks, direct_chunks
 from .features import Features, _read, open_features
 from .latents import LATENTS, codes_of, csr
+from .prefetch import NOT_PREFETCHED, WindowObjects, prefetch_window
 from .sources import Rows, check_aligned, layer_rows
 
 Key = str | tuple[int, str]  # a layer's name; with a list of stores, (the store's place in it, the layer)
@@ -171,10 +172,12 @@ class TokenStream(IterableDataset):
 
     ``threads`` background threads read and decode the next window (whole chunks, each object's checksum
     checked: an uncompressed layer on local disk read straight into the window, ``direct.py``, any other
-    through zarr) while the consumer takes batches from this one, and convert it to
+    through zarr; on object storage, from GETs of all the window's objects at once, ``prefetch.py``) while
+    the consumer takes batches from this one, and convert it to
     ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
     (``2 x window x chunk_size x D`` per source, times the patches per image) plus a stored chunk per
-    thread. zarr's decode and the conversion release the GIL, so ``num_workers=0`` already uses several
+    thread (and on object storage the next window's objects, each until it is read). zarr's decode and
+    the conversion release the GIL, so ``num_workers=0`` already uses several
     cores; DataLoader workers add a copy of every batch through shared memory, which on a small machine
     costs more than the decode (``benchmarks/token_stream.py``).
 
@@ -305,7 +308,12 @@ class TokenStream(IterableDataset):
         order = np.random.default_rng((self.seed, self.epoch)).permutation(self.num_chunks)
         return order[self.rank :: self.world_size][worker::num_workers]
 
-    def _kept_by_position(self, features: Features, chunk: int) -> np.ndarray:
+    def _window_arrays(self, opened: list[Features]) -> list:
+        """The arrays a window reads chunk by chunk: every dense source's, and ``special`` when excluded."""
+        arrays = [opened[source.store].array(source.layer) for source in self.sources if not source.codes]
+        return arrays + [opened[0].store.array("special")] if self.rules.special else arrays
+
+    def _kept_by_position(self, features: Features, chunk: int, objects: WindowObjects = NOT_PREFETCHED) -> np.ndarray:
         """The rows of chunk ``chunk`` that ``special`` and ``first:K`` keep (of an image store: the
         patches of its valid images that ``first:K`` keeps)."""
         start, stop = self._bounds(chunk)
@@ -316,7 +324,7 @@ class TokenStream(IterableDataset):
             return keep
         keep = np.ones(stop - start, dtype=bool)
         if self.rules.special:
-            special = features.store.array("special")
+            special = objects.array(features.store.array("special"))
             flags = features._reads.checked("special", "special tokens", [chunk], lambda: special[start:stop])
             keep &= ~np.asarray(flags, dtype=bool)
         if self.rules.first:
@@ -325,12 +333,14 @@ class TokenStream(IterableDataset):
             keep &= rows - offsets[np.searchsorted(offsets, rows, side="right") - 1] >= self.rules.first
         return keep
 
-    def _read_stored(self, features: Features, layer: str, chunk: int, into: np.ndarray) -> np.ndarray:
+    def _read_stored(
+        self, features: Features, layer: str, chunk: int, into: np.ndarray, objects: WindowObjects = NOT_PREFETCHED
+    ) -> np.ndarray:
         """Chunk ``chunk`` of ``layer`` as stored, into the first samples of ``into``; a missing or damaged
         object is an error naming it (``Features``' own check)."""
         start, stop = self._bounds(chunk)
         array = features.array(layer)
-        through_zarr = lambda: _read(array, slice(start, stop), into)  # noqa: E731
+        through_zarr = lambda: _read(objects.array(array), slice(start, stop), into)  # noqa: E731
         direct = self._direct_chunks(features, layer)
         read = through_zarr if direct is None else lambda: direct.read(chunk, into, through_zarr)
         return features._reads.checked(f"features/{layer}", f"layer '{layer}'", [chunk], read)
@@ -511,21 +521,29 @@ class TokenStream(IterableDataset):
         tasks = []
         at = 0
         targets = self._targets(buffers)
+        # on object storage, every object of the window is fetched at once, read by the tasks (prefetch.py)
+        objects = prefetch_window(self._window_arrays(opened), [self._bounds(chunk) for chunk in chunks])
         for chunk in chunks:
             start, stop = self._bounds(chunk)
-            args = (opened, int(chunk), targets, at, scratch)
+            args = (opened, int(chunk), targets, at, scratch, objects)
             tasks.append((pool.submit(self._fill, *args) if pool is not None else self._fill(*args), start, stop))
             at += (stop - start) * self.positions
         return tasks
 
     def _fill(
-        self, opened: list[Features], chunk: int, targets: list[torch.Tensor], at: int, scratch: queue.SimpleQueue
+        self,
+        opened: list[Features],
+        chunk: int,
+        targets: list[torch.Tensor],
+        at: int,
+        scratch: queue.SimpleQueue,
+        objects: WindowObjects = NOT_PREFETCHED,
     ) -> np.ndarray:
         """Read chunk ``chunk`` of every source into rows ``at:`` of its target, converted to ``dtype``, and
         return the mask of its rows the rules keep."""
         start, stop = self._bounds(chunk)
         samples = stop - start
-        keep = self._kept_by_position(opened[0], chunk)
+        keep = self._kept_by_position(opened[0], chunk, objects)
         for index, source in enumerate(self.sources):
             features = opened[source.store]
             if source.codes:
@@ -540,7 +558,9 @@ class TokenStream(IterableDataset):
             if direct is not None and not direct.flags.c_contiguous and self._direct_chunks(features, source.layer):
                 direct = None  # a stacked window's column: the direct read fills a thread's chunk, copied in
             if direct is not None:  # decoded straight into the window (bfloat16 too: its bits)
-                self._read_stored(features, source.layer, chunk, _reshaped(direct, (samples, *source.rows.shape)))
+                self._read_stored(
+                    features, source.layer, chunk, _reshaped(direct, (samples, *source.rows.shape)), objects
+                )
                 keep &= self._under_norm(source, target)
                 continue
             mine = scratch.get()  # a thread's chunk: a fresh one each time would page-fault on every chunk
@@ -548,7 +568,7 @@ class TokenStream(IterableDataset):
                 stored = mine.get(index)
                 if stored is None:
                     stored = mine[index] = np.empty((self.chunk_size, *source.rows.shape), dtype=array.dtype)
-                values = self._read_stored(features, source.layer, chunk, stored)
+                values = self._read_stored(features, source.layer, chunk, stored, objects)
                 tensor = storage.as_tensor(values, storage.is_bfloat16(array))
                 moved = tensor if source.rows.channels is None else tensor.movedim(source.rows.channels, -1)
                 target.view(source.rows.moved_shape(samples)).copy_(moved)

@@ -17,6 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,6 +67,15 @@ class S3Prefix:
         start = self.prefix + "/" if self.prefix else ""
         pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.server.bucket, Prefix=start)
         return sorted(o["Key"][len(start) :] for page in pages for o in page.get("Contents", []))
+
+
+def upload(s3: S3Prefix, local: Path, name: str) -> str:
+    """Every file of the store at ``local`` as an object under ``s3``'s prefix; returns the store's URL."""
+    client = s3.server.client()
+    for file in sorted(local.rglob("*")):
+        if file.is_file():
+            client.upload_file(str(file), s3.server.bucket, f"{s3.prefix}/{name}/{file.relative_to(local)}")
+    return s3.url(name)
 
 
 def _atomic_conditional_writes() -> None:
