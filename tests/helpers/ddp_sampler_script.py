@@ -44,4 +44,7 @@ dist.all_gather(weights, model.module.weight.detach())
 if rank == 0:
     same = all(torch.equal(w, weights[0]) for w in weights)
     json.dump({"ranks": gathered, "same_weights": same}, open(out, "w"))
+# both ranks tear gloo down together: a rank that destroyed its group while the other still held its
+# connections was once aborted by gloo ("terminate called without an active exception", SIGABRT)
+dist.barrier()
 dist.destroy_process_group()
