@@ -56,7 +56,7 @@ from .plan import MAX_CHUNK_SIZE, MAX_TOKEN_CHUNK_SIZE, assign, default_chunk_si
 from .progress import JobProgress
 from .routing import setup_routing, with_routing
 from .saes import JobSaes, setup_saes
-from .spec import JobSpec
+from .spec import JobSpec, batching
 from .text_stage import TextJob, prepare_text, text_loop
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -386,6 +386,7 @@ def _schema(
         image_root=None if data.dataset.image_root is None else str(data.dataset.image_root),
         saes=None if model.saes is None else model.saes.identity(),
         tensor_parallel=1 if mesh is None else mesh.tensor_parallel,
+        batching=batching(spec.to_dict(), text=text is not None),
     )  # fmt: skip
 
 
@@ -401,7 +402,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
             keep_freed_memory()
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, mesh, life.existing)
-            action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite)
+            action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite, _predated(job, life.existing))
             if action == "complete":
                 return _already_complete(job, log)
             _announce(job, log)
@@ -412,6 +413,18 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     if state.is_main_process:
         log(summary.line())
     return summary
+
+
+def _predated(job: _Job, existing: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The batching of a store made before its identity recorded it, as its own ``job`` record (the options
+    of the run that made it) gives it; this run's for a store without one (made through the API)."""
+    identity = (existing or {}).get("identity")
+    now = batching(job.spec.to_dict(), text=job.text is not None)
+    if identity is None or all(key in identity for key in now):
+        return {}
+    record = existing.get("job") if existing is not None else None
+    made = now if not isinstance(record, Mapping) else batching(record, text=job.text is not None)
+    return {key: value for key, value in made.items() if key not in identity}
 
 
 def _already_complete(job: _Job, log: Log) -> Summary:

@@ -25,6 +25,21 @@ SEEDS = range(-(2**63), 2**64)  # what torch.manual_seed takes
 # text model's activations (per token or pooled per document) compress 1.08x with zstd-1, which costs 2.7x
 # the CPU to write and 2-3x to read; image maps after a ReLU compress 1.95x. A resumed store keeps its own.
 DEFAULT_COMPRESSORS = {"images": "zstd", "documents": "none", "tokens": "none"}
+TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
+# The options that never change a stored bit, and why; every other option is in the store's identity (as
+# itself or as what it resolves to: ``batching``, ``extract.store.schema.JobParts.identity``), so that a
+# resume cannot mix two values of it in one store. tests/test_identity.py holds every option to one side.
+OUTSIDE_IDENTITY = {
+    "out": "where the store is, not what it holds",
+    "num_workers": "DataLoader workers load the samples the plan names, in its order",
+    "truncate": "the forward stops after the last requested layer, whose output is already taken",
+    "overwrite": "whether to start afresh, not what is computed",
+    "writer_threads": "threads writing the chunks the loop computed",
+    "skip_bad_images": "a sample is stored or the job stops; a stored one has the same bits either way",
+    "timeout": "how long a barrier waits",
+    # accelerate's dispatch runs each layer whole on one GPU: the kernels and shapes of one device
+    "device_map": "each layer runs whole on one device, with the shapes it has on one",
+}
 
 # A text, or a function making it: some help lists what registries hold, known only once their sources are
 # imported; resolving it when the parser is built keeps ``import extract`` from importing every source.
@@ -549,6 +564,17 @@ class JobSpec:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def batching(options: Mapping[str, Any], text: bool) -> dict[str, Any]:
+    """What decides which rows share a forward and how it runs, from a job's options (``JobSpec.to_dict()``,
+    or the ``job`` record of a store made before its identity held this): matmul and convolution kernels
+    round by the padded batch's shape and memory layout, so the same sample computed in another batch
+    differs in its last bits. A text job batches by tokens (``--batch-size`` only sets that default)."""
+    if text:
+        tokens = options.get("tokens_per_batch") or options.get("batch_size", JobSpec.batch_size) * TOKENS_PER_SEQUENCE
+        return {"tokens_per_batch": tokens}
+    return {"batch_size": options.get("batch_size", JobSpec.batch_size), "channels_last": bool(options.get("channels_last"))}
 
 
 def job_options() -> list[tuple[Field[Any], Option]]:

@@ -26,11 +26,10 @@ from ..store.text_arrays import TextArrays
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, StopRequests
 from .resources import default_writer_threads, warn_infinite
-from .spec import JobSpec
+from .spec import JobSpec, batching
 from .text import ChunkColumns, TextBatch, TextBatches
 
 MAX_DEFAULT_CONTEXT = 2048  # --context-length's default where the model sets none: its positions, at most this
-TOKENS_PER_SEQUENCE = 128  # --tokens-per-batch's default: --batch-size sequences of this many tokens
 
 
 @dataclass
@@ -111,7 +110,7 @@ def prepare_text(
     context = _context_length(spec, loaded)
     packing = _packing(spec, loaded, layers)
     record = _tokenization(spec, loaded, dataset, context, packing)
-    budget = spec.tokens_per_batch or spec.batch_size * TOKENS_PER_SEQUENCE
+    budget = batching(spec.to_dict(), text=True)["tokens_per_batch"]
     identity = (existing or {}).get("identity") or {}
     if not spec.overwrite and identity.get("tokenization") == record:
         stored, rewrite = _stored(spec, packing, notes)

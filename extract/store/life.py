@@ -36,10 +36,45 @@ from .fence import lost_lock
 from .location import Location, from_object_storage, locate, storage_error
 from .locking import Lock, lock_for, lock_name
 from .paths import DAMAGED, check_out_path, check_out_url, check_writable, real_path, sweep_scratch
+from .schema import fingerprint as digest_of
 from .store import FeatureStore
 
 Log = Callable[[str], None]
 T = TypeVar("T")
+
+
+# Identity fields that say how the same job is computed, not what it is (flag, default, why the bits differ): a
+# store mixing two values of one would hold rows that differ in their last bits from an uninterrupted run.
+COMPUTATION = {
+    "tensor_parallel": ("--tensor-parallel", 1, "a sum split over another number of ranks rounds differently"),
+    "batch_size": ("--batch-size", None, "a forward over another batch rounds differently"),
+    "tokens_per_batch": ("--tokens-per-batch", None, "a forward over another batch rounds differently"),
+    "channels_last": ("--channels-last", False, "another memory layout runs other kernels, which round differently"),
+}
+
+
+def _as_flags(values: Mapping[str, Any], keys: list[str], on: str, off: str, named: bool = True) -> str:
+    """The options ``keys`` as flags: ``{on}--batch-size 4`` (or ``4`` when not ``named``), ``{on}--channels-last``
+    or ``{off}--channels-last``, joined by "and"."""
+    said = []
+    for key in keys:
+        flag, default, _ = COMPUTATION[key]
+        value = values.get(key, default)
+        if isinstance(value, bool):
+            said.append(f"{on if value else off}{flag}")
+        else:
+            said.append(f"{on}{flag} {value}" if named else f"{value}")
+    return " and ".join(said)
+
+
+def _computed_otherwise(out: Path | str, differs: list[str], made: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """The one line refusing to resume a store with another batching (or mesh): what it was made with, the fix."""
+    why = "; ".join(dict.fromkeys(COMPUTATION[key][2] for key in differs))
+    return (
+        f"--out {out} was made with {_as_flags(made, differs, '', 'no ')}, this run has "
+        f"{_as_flags(now, differs, '', 'no ', named=False)}: {why}, so the two would mix in one store; resume "
+        f"{_as_flags(made, differs, 'with ', 'without ')}, or pass --overwrite to start afresh"
+    )
 
 
 class StoreLife:
@@ -134,33 +169,34 @@ class StoreLife:
 
     # decide ----------------------------------------------------------------------------------------
 
-    def decide(self, identity: dict[str, Any], fingerprint: str, overwrite: bool) -> str:
+    def decide(
+        self, identity: dict[str, Any], fingerprint: str, overwrite: bool, predates: Mapping[str, Any] | None = None
+    ) -> str:
         """``create`` (also whenever ``overwrite``), ``resume`` or ``complete``; refuses another job's store,
-        and a store whose done chunks lost objects is resumed to recompute exactly those."""
-        return self._on_main(lambda: self._decide(identity, fingerprint, overwrite))
+        and a store whose done chunks lost objects is resumed to recompute exactly those. ``predates``: the
+        values of identity fields that a store made before they were recorded keeps in its ``job`` record
+        instead (its batching), so that such a store resumes with the values it was made with, and only those."""
+        return self._on_main(lambda: self._decide(identity, fingerprint, overwrite, predates or {}))
 
-    def _decide(self, identity: dict[str, Any], fingerprint: str, overwrite: bool) -> str:
+    def _decide(
+        self, identity: dict[str, Any], fingerprint: str, overwrite: bool, predates: Mapping[str, Any]
+    ) -> str:
         existing = self.existing
         if existing is not None and DAMAGED in existing and not overwrite:
             raise StoreDamagedError(
                 f"--out {self.out}: the store's root metadata {self.out}/zarr.json are damaged "
                 f"({existing[DAMAGED]}); pass --overwrite to replace the store, or choose another --out"
             )
+        before = {**predates, **(existing or {}).get("identity", {})}
         if existing is None or overwrite:
             action = "create"
-        elif existing.get("fingerprint") == fingerprint:
+        elif existing.get("fingerprint") == fingerprint or (predates and digest_of(before) == fingerprint):
             action = "complete" if existing.get("status") == "complete" else "resume"
         else:
-            before = existing.get("identity", {})
             keys = [*identity, *(key for key in before if key not in identity)]
             differs = [key for key in keys if before.get(key) != identity.get(key)] or ["fingerprint"]
-            if differs == ["tensor_parallel"]:  # the same job on another mesh: its sums round otherwise
-                made, now = before.get("tensor_parallel", 1), identity.get("tensor_parallel", 1)
-                raise ExtractError(
-                    f"--out {self.out} was made with --tensor-parallel {made}, this run has {now}: a sum split over "
-                    "another number of ranks rounds differently, so the two would mix in one store; resume with "
-                    f"--tensor-parallel {made}, or pass --overwrite to start afresh"
-                )
+            if set(differs) <= set(COMPUTATION):  # the same job computed otherwise: its last bits differ
+                raise ExtractError(_computed_otherwise(self.out, differs, before, identity))
             raise ExtractError(
                 f"--out {self.out} holds a different job (differs in: {', '.join(differs)}); "
                 "pass --overwrite to replace it, or choose another --out"

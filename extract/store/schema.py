@@ -97,6 +97,8 @@ class JobParts:
     model_pooling: Mapping[str, Any] | None = None  # --pool model: the pooling the model's files named, as applied
     saes: Mapping[str, Any] | None = None  # --sae: each layer's SAE (weights' sha256, k) and --sae-only
     tensor_parallel: int = 1  # --tensor-parallel: a sum split over N ranks changes the last bits
+    # which rows share a forward and how it runs (``extract.job.spec.batching``): another batch rounds otherwise
+    batching: Mapping[str, Any] | None = None
 
     def identity(self) -> dict[str, Any]:
         """Everything that decides the stored values and their layout: a store is resumed only by a job
@@ -133,6 +135,7 @@ class JobParts:
             identity["sae"] = dict(self.saes)
         if self.tensor_parallel > 1:  # stores made on one device keep the identity they always had
             identity["tensor_parallel"] = self.tensor_parallel
+        identity.update(self.batching or {})  # a store made before it was recorded: ``StoreLife.decide``
         return identity
 
     def attributes(self) -> dict[str, Any]:
