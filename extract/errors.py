@@ -176,6 +176,12 @@ class SaeMismatchError(ExtractError, ValueError):
     architecture, a normalization whose statistics are not in the directory, a single attention head)."""
 
 
+class SaeInvalidError(ExtractError, ValueError):
+    """An ``--sae`` directory whose files are not what SAELens saves, found before anything loads: a
+    ``cfg.json`` that is not a JSON object or asks a ``k`` outside 1..``d_sae``, a weights file that is torn
+    or not safetensors, or weights whose shapes are not the config's."""
+
+
 class ExportError(ExtractError, ValueError):
     """A store that cannot be exported as asked, or a destination that must not be written."""
 

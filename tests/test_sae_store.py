@@ -336,3 +336,55 @@ def test_codes_on_s3_are_the_bytes_of_the_codes_on_disk(corpus, one, s3):
     _assert_same_bytes(open_store(url, read_only=True), one / "topk.zarr")
     local = open_features(one / "topk.zarr").latents(HOOK).toarray()
     np.testing.assert_array_equal(open_features(url).latents(HOOK).toarray(), local)
+
+
+def _edited_sae(corpus, tmp_path, name: str, cfg=None, weights=None):
+    """A copy of the corpus's top-k SAE, its ``cfg.json`` edited by ``cfg`` (a dict -> dict, or the text to
+    write) and its weights' bytes by ``weights`` (bytes -> bytes)."""
+    import json
+    import shutil
+
+    sae = shutil.copytree(corpus[2]["topk"], tmp_path / name)
+    if cfg is not None:
+        text = cfg if isinstance(cfg, str) else json.dumps(cfg(json.loads((sae / "cfg.json").read_text())))
+        (sae / "cfg.json").write_text(text)
+    if weights is not None:
+        (sae / "sae_weights.safetensors").write_bytes(weights((sae / "sae_weights.safetensors").read_bytes()))
+    return sae
+
+
+@pytest.mark.parametrize(
+    "name, cfg, weights, says",
+    [
+        ("k-over-d-sae", lambda c: {**c, "k": 100}, None, ["k=100", "d_sae=64", "1 to d_sae"]),
+        ("k-zero", lambda c: {**c, "k": 0}, None, ["k=0", "1 to d_sae"]),
+        ("not-json", '{"d_in": 32, "d_sae": ', None, ["cfg.json is not JSON", "save the SAE again"]),
+        ("torn-weights", None, lambda b: b[: len(b) // 2], ["sae_weights.safetensors is torn", "bytes"]),
+        ("empty-weights", None, lambda b: b"", ["sae_weights.safetensors is not safetensors"]),
+        ("other-shape", lambda c: {**c, "d_sae": 48, "k": 8}, None, ["W_enc of shape (32, 64)", "d_sae=48", "different SAEs"]),
+    ],
+)
+def test_a_bad_sae_is_one_line_before_the_model_loads_and_nothing_is_created(
+    corpus, tmp_path, capsys, name, cfg, weights, says
+):
+    """Issue 47, item 3: each is one line naming the file, exit 2, no traceback; refused when the job's
+    options are checked, before the model loads (a model that does not exist is not reached), so that no
+    store, no lock and no scratch directory is left."""
+    from extract.cli.extract import main
+    from extract.errors import SaeInvalidError
+    from extract.job.spec import JobSpec
+
+    sae = _edited_sae(corpus, tmp_path, name, cfg, weights)
+    out = tmp_path / "job" / "bad.zarr"
+    for model in (f"hf:{corpus[1]}", f"hf:{tmp_path / 'no-such-model'}"):
+        args = [*_job(corpus, out, "topk", *RAGGED)]
+        args[args.index("--sae") + 1] = f"{HOOK}={sae}"
+        args[args.index("--model") + 1] = model
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.count("extract: error: ") == 1, err
+        line = next(line for line in err.splitlines() if line.startswith("extract: error: "))
+        assert str(sae) in line and all(part in line for part in says), line
+        assert not (tmp_path / "job").exists(), "nothing is created for a refused SAE: no store, lock or scratch"
+    with pytest.raises(SaeInvalidError):  # a Python caller catches it by type
+        JobSpec(layers=[HOOK], sae=[f"{HOOK}={sae}"], out=str(out)).validate()

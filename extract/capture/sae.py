@@ -29,7 +29,6 @@ reversed index (``_keys``), so which of two equal codes wins never depends on to
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -38,14 +37,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import SaeMismatchError, SaeMissingError, SaeNotFoundError
+from ..errors import SaeInvalidError, SaeMismatchError, SaeMissingError, SaeNotFoundError
 from ..names.layers import LayerRef
+from .sae_files import CFG, WEIGHTS, check_saved_sae
 
 if TYPE_CHECKING:
     from sae_lens import SAE
 
-CFG = "cfg.json"  # sae_lens.constants.SAE_CFG_FILENAME
-WEIGHTS = "sae_weights.safetensors"  # sae_lens.constants.SAE_WEIGHTS_FILENAME
+# the errors and names of the saved format, importable from here as before they had a module of their own
+__all__ = ["CFG", "WEIGHTS", "SaeEncoder", "SaeInvalidError", "SaeMismatchError", "SaeMissingError"]
+__all__ += ["SaeNotFoundError", "load_sae", "top_codes"]
 SCALER = "activation_scaler.json"  # sae_lens.constants.ACTIVATION_SCALER_CFG_FILENAME (training checkpoints)
 INSTALL = "pip install 'extract[sae]'"
 DEFAULT_K = 64
@@ -244,22 +245,17 @@ def load_sae(path: str | Path, k: int | None = None, device: str = "cpu", dtype:
     (``dtype``: the config's unless given). ``k``: codes kept per row; by default the SAE's own k for a
     top-k SAE, else ``DEFAULT_K``."""
     path = Path(path)
-    for name in (CFG, WEIGHTS):
-        if not (path / name).is_file():
-            what = "no such directory" if not path.is_dir() else f"it has no {name}"
-            raise SaeNotFoundError(
-                f"--sae {path} is not an SAE saved by SAELens ({what}); give a directory with {CFG} and {WEIGHTS}"
-            )
+    saved = check_saved_sae(path)  # a torn, contradictory or foreign file: one line, before sae_lens sees it
     try:
         from sae_lens import SAE
     except ImportError:
         raise SaeMissingError(f"--sae needs sae_lens, which is not installed: {INSTALL}") from None
-    saved = json.loads((path / CFG).read_text())
     try:
         sae = SAE.load_from_disk(path, device=device, dtype=dtype)
-    except (KeyError, ValueError, TypeError) as error:  # an architecture or a field this sae_lens does not know
+    # an architecture or a field this sae_lens does not know, a tensor it does not expect
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
         raise SaeMismatchError(
-            f"--sae {path}: sae_lens cannot load it ({type(error).__name__}: {error}); "
+            f"--sae {path}: sae_lens cannot load it ({type(error).__name__}: {str(error).splitlines()[0]}); "
             f"architecture '{saved.get('architecture')}'"
         ) from None
     return _encoder(path, sae, k)

@@ -126,6 +126,10 @@ def _sae(flag: str, value: list[str]) -> None:
     layers = [entry.partition("=")[0] for entry in value]
     if len(set(layers)) != len(layers):
         raise ExtractError(f"{flag} gives layer {max(layers, key=layers.count)} twice; give one SAE per layer")
+    from ..capture.sae_files import check_saved_sae  # reads two small files: when a job is checked, not for --help
+
+    for entry in value:  # a torn or contradictory SAE: refused before any model loads or any store exists
+        check_saved_sae(entry.partition("=")[2])
 
 
 def _compressor(flag: str, value: str) -> None:
