@@ -388,3 +388,68 @@ def test_a_bad_sae_is_one_line_before_the_model_loads_and_nothing_is_created(
         assert not (tmp_path / "job").exists(), "nothing is created for a refused SAE: no store, lock or scratch"
     with pytest.raises(SaeInvalidError):  # a Python caller catches it by type
         JobSpec(layers=[HOOK], sae=[f"{HOOK}={sae}"], out=str(out)).validate()
+
+
+def _edit_json(path, edit) -> None:
+    import json
+
+    meta = json.loads(path.read_text())
+    edit(meta["attributes"])
+    path.write_text(json.dumps(meta))
+
+
+def _zero_sha256(attributes) -> None:
+    attributes["latents"][HOOK]["sae_sha256"] = "0" * 64
+
+
+def _forget_the_digest(attributes) -> None:  # a store made before the SAE records were digested
+    _zero_sha256(attributes)
+    del attributes["identity_sha256"]["latents"]
+
+
+@pytest.mark.parametrize(
+    "edit, names, repairs",
+    [
+        ("zarr.json", _zero_sha256, True),
+        (f"latents/{HOOK}/zarr.json", lambda attributes: attributes.update(k=4), True),
+        ("zarr.json", _forget_the_digest, False),
+    ],
+    ids=["root-sae-sha256", "group-k", "root-sae-sha256-no-digest"],
+)
+def test_edited_sae_metadata_are_named_by_verify_and_refused_by_a_rerun(corpus, one, tmp_path, capsys, edit, names, repairs):
+    """Issue 47, item 2: ``latents[L].sae_sha256`` zeroed in the root attributes, or ``k`` changed on the
+    ``latents/L`` group. ``verify`` names it (exit 1); a rerun of the job's command is refused in one line
+    (exit 2) instead of saying "already complete"; ``--repair`` puts back what the digest recorded at
+    creation proves, after which the rerun finds the store complete; without that digest (a store from
+    before) the identity still names the edit, and ``--overwrite`` is the way out."""
+    import shutil
+
+    from extract.cli.extract import main
+    from extract.cli.verify import main as verify_main
+
+    out = tmp_path / "edited.zarr"
+    shutil.copytree(one / "topk.zarr", out)
+    args = _job(corpus, out, "topk", *RAGGED)
+    assert main(args) == 0 and "already complete" in capsys.readouterr().err
+    _edit_json(out / edit, names)
+    before = {p: p.read_bytes() for p in out.rglob("zarr.json")}
+    assert verify_main([str(out)]) == 1
+    said = capsys.readouterr()
+    report = said.out + said.err
+    assert "metadata damaged" in report and ("sae_sha256 is '000000000000...'" in report or ".attrs.k is 4" in report), report
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    line = [line for line in err.splitlines() if line.startswith("extract: error: ")]
+    assert len(line) == 1 and "Traceback" not in err and "SAE metadata were edited" in line[0], err
+    assert "--repair" in line[0] and "--overwrite" in line[0]
+    assert {p: p.read_bytes() for p in out.rglob("zarr.json")} == before, "a refused rerun must not touch the store"
+    verify_main([str(out), "--repair"])
+    capsys.readouterr()
+    if repairs:
+        assert verify_main([str(out)]) == 0, capsys.readouterr()
+        assert main(args) == 0 and "already complete" in capsys.readouterr().err
+        _assert_same_bytes(out, one / "topk.zarr")
+    else:
+        assert main(args) == 2 and "SAE metadata were edited" in capsys.readouterr().err
+        assert main([*args, "--overwrite"]) == 0, capsys.readouterr().err
+        assert verify_main([str(out)]) == 0

@@ -37,8 +37,9 @@ OUTSIDE_IDENTITY = {
     "writer_threads": "threads writing the chunks the loop computed",
     "skip_bad_images": "a sample is stored or the job stops; a stored one has the same bits either way",
     "timeout": "how long a barrier waits",
-    # accelerate's dispatch runs each layer whole on one GPU: the kernels and shapes of one device
-    "device_map": "each layer runs whole on one device, with the shapes it has on one",
+    # like the device itself (never recorded: a resume on another GPU is allowed), a layer accelerate offloads
+    # to the CPU would run other kernels; on GPUs each layer runs whole on one, as without the dispatch
+    "device_map": "each layer runs whole on one GPU, with the kernels and shapes it has without the dispatch",
 }
 
 # A text, or a function making it: some help lists what registries hold, known only once their sources are

@@ -7,7 +7,10 @@
     stats/latents/<layer>      (K, 3 + 3 * d_sae) float64, one row per chunk (one object each)
 
 The group ``latents/<layer>`` says what made them (attrs ``d_sae``, ``k``, ``hook_name``,
-``architecture``, ``sae_path``, ``sae_sha256``); the root attribute ``latents`` lists the layers. The
+``architecture``, ``sae_path``, ``sae_sha256``); the root attribute ``latents`` lists the layers with the
+same record, under the identity's digests (``identity_sha256``), and the identity holds each SAE's sha256
+and k: an edit of either record is named by ``verify`` (``metadata_problems``) and refused by a resume
+(``edited``), which would otherwise call the store complete, or add codes of another SAE to it. The
 codes are row arrays and the statistics chunk arrays of the store: written with each chunk before its
 ``done``, under its ``digests``, checked by ``verify`` and redone by ``--repair`` as every other array.
 
@@ -28,7 +31,7 @@ import numpy as np
 import zarr
 
 from ..names.latents import LATENTS, indices_path, stats_path, values_path
-from .schema import checked, codecs
+from .schema import checked, codecs, identity_digests
 from .stats import STATS
 
 if TYPE_CHECKING:
@@ -127,3 +130,87 @@ def write_chunk(store: FeatureStore, chunk: int, start: int, stop: int, codes: M
         store.array(values_path(layer))[start:stop] = part.values
         rows = store.array(stats_path(layer))
         rows[chunk] = stats_row(part.stats, int(rows.attrs["d_sae"]))
+
+
+def metadata_problems(store: FeatureStore, attrs: Mapping[str, Any]) -> list[str]:
+    """The SAE records that disagree with what decided the codes: the root ``latents`` record of each layer
+    against the identity's SAE (its weights' sha256 and k), each ``latents/<layer>`` group's attributes
+    against that record, and k against the width of the codes. Each problem names its attribute."""
+    recorded: Mapping[str, Any] = attrs.get(ATTRIBUTE) or {}
+    decided: Mapping[str, Any] = ((attrs.get("identity") or {}).get("sae") or {}).get("layers") or {}
+    problems = []
+    if decided and sorted(recorded) != sorted(decided):
+        problems.append(
+            f"{ATTRIBUTE} lists layers {sorted(recorded)}, but the identity has SAEs of {sorted(decided)} (it was edited)"
+        )
+    for layer, decides in decided.items():
+        record = recorded.get(layer) or {}
+        for key in ("sae_sha256", "k"):
+            if key in decides and record.get(key) != decides[key]:
+                problems.append(
+                    f"{ATTRIBUTE}[{layer}].{key} is {_said(record.get(key))}, but the identity's is "
+                    f"{_said(decides[key])} (it was edited)"
+                )
+    for layer, record in recorded.items():
+        group = store.group.get(f"{LATENTS}/{layer}")
+        if not isinstance(group, zarr.Group):
+            continue  # its arrays' absence is the damage opening names
+        edited = [key for key in DESCRIPTION if group.attrs.get(key) != (record or {}).get(key)]
+        problems += [
+            f"{LATENTS}/{layer}.attrs.{key} is {_said(group.attrs.get(key))}, but the store's {ATTRIBUTE} record "
+            f"says {_said((record or {}).get(key))} (it was edited)"
+            for key in edited
+        ]
+        width = store.array(indices_path(layer)).shape[1:]
+        if "k" not in edited and width != ((record or {}).get("k"),):
+            problems.append(f"{ATTRIBUTE}[{layer}].k is {(record or {}).get('k')!r}, but its codes are {width} wide")
+    return problems
+
+
+def edited(store: FeatureStore) -> list[str]:
+    """``metadata_problems``, and the root ``latents`` record against its digest where the store recorded
+    one (a store from before it did is checked against its identity alone)."""
+    attrs = store.attrs
+    digest = (attrs.get("identity_sha256") or {}).get(ATTRIBUTE)
+    problems = metadata_problems(store, attrs)  # the most telling first: a resume's refusal names it
+    if digest is not None and identity_digests(attrs, [])[ATTRIBUTE] != digest:
+        problems.append(f"{ATTRIBUTE} differs from the digest recorded at the store's creation (it was edited)")
+    return problems
+
+
+def _said(value: Any) -> str:
+    """A value as a problem names it: a sha256 by its first 12 digits (enough to tell two apart in a line)."""
+    if isinstance(value, str) and len(value) == 64:
+        return repr(value[:12] + "...")
+    return repr(value)
+
+
+def restore(store: FeatureStore) -> list[str]:
+    """Put back edited SAE records where the digest recorded at creation proves the right one: the root
+    ``latents`` from the groups' attributes, then each group's attributes from the proven root record.
+    Returns what was restored (nothing for a store without the digest: nothing proves either side)."""
+    attrs = store.attrs
+    digest, recorded = (attrs.get("identity_sha256") or {}).get(ATTRIBUTE), attrs.get(ATTRIBUTE)
+    if digest is None or not isinstance(recorded, dict):
+        return []
+
+    def proven(value: Any) -> bool:
+        return identity_digests({**attrs, ATTRIBUTE: value}, [])[ATTRIBUTE] == digest
+
+    restored = []
+    groups = {layer: store.group.get(f"{LATENTS}/{layer}") for layer in recorded}
+    if not proven(recorded):
+        if not all(isinstance(group, zarr.Group) for group in groups.values()):
+            return []
+        candidate = {layer: {key: group.attrs.get(key) for key in DESCRIPTION} for layer, group in groups.items()}
+        if not proven(candidate):
+            return []
+        store.update_attrs(**{ATTRIBUTE: candidate})
+        recorded = candidate
+        restored.append(f"the attribute {ATTRIBUTE}")
+    for layer, group in groups.items():
+        record = recorded.get(layer) or {}
+        if isinstance(group, zarr.Group) and any(group.attrs.get(key) != record.get(key) for key in DESCRIPTION):
+            group.attrs.update({key: record.get(key) for key in DESCRIPTION})
+            restored.append(f"the attributes of {LATENTS}/{layer}")
+    return restored

@@ -32,6 +32,7 @@ from ..errors import (
     StoreDamagedError,
     rebuilt,
 )
+from . import latents
 from .fence import lost_lock
 from .location import Location, from_object_storage, locate, storage_error
 from .locking import Lock, lock_for, lock_name
@@ -217,6 +218,12 @@ class StoreLife:
         """``resume`` when done chunks lost objects (their done is cleared) or a "complete" store has
         chunks not done (its status goes back to running): the rerun computes exactly those."""
         store = FeatureStore.open(self.location, mode="r")  # validates the metadata
+        if edited := latents.edited(store):  # rerun as it is, it would say complete, or add codes of another SAE
+            more = f" and {len(edited) - 1} more" if len(edited) > 1 else ""
+            raise StoreDamagedError(
+                f"--out {self.out}: its SAE metadata were edited ({edited[0]}{more}); run `extract verify "
+                f"{self.out} --repair` to restore them, or pass --overwrite to start afresh"
+            )
         missing = store.integrity.missing_objects()
         pending = store.pending_chunks() if action == "complete" else []
         documents = store.creation.damage() if action == "complete" else []

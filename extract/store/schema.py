@@ -30,7 +30,12 @@ STRINGS = np.dtypes.StringDType() if hasattr(np.dtypes, "StringDType") else str
 # the identity's fields a reader most often wants, copied to the top level of the attributes
 # the attributes that say what the store holds, digested at creation (``identity_digests``); the job's
 # record (``runs``, ``status``, ``summary``, a writer's token) changes legitimately and is left out
-IDENTITY_ATTRIBUTES = ("format", "format_version", "identity", "fingerprint", "layers", "num_samples", "chunk_size")
+# (``latents``: each --sae layer's SAE as recorded, ``latents.py``)
+IDENTITY_ATTRIBUTES = (
+    "format", "format_version", "identity", "fingerprint", "layers", "num_samples", "chunk_size", "latents",
+)  # fmt: skip
+# digested only from a later version on: a store made before has no digest of them, and is checked without
+ADDED_LATER = ("latents",)
 TOP_LEVEL = ("model", "weights", "preprocessing", "num_samples", "chunk_size", "dtype", "precision", "pool")
 
 

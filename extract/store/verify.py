@@ -27,9 +27,10 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from ..names import Kind
+from . import latents
 from .arrays import members
 from .chunks import Plan
-from .schema import fingerprint, identity_digests
+from .schema import ADDED_LATER, fingerprint, identity_digests
 from .store import FeatureStore
 
 UNPLACED = "not the object written for this chunk (swapped, copied or stale)"
@@ -196,7 +197,8 @@ def _attribute_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]
         edited["identity_sha256"] = "is missing (the identity attributes cannot be checked)"
     elif recorded is not None:
         now = identity_digests(attrs, _array_names(store))
-        for name in (name for name in now if now[name] != recorded.get(name)):
+        checked = [name for name in now if name in recorded or name not in ADDED_LATER]
+        for name in (name for name in checked if now[name] != recorded.get(name)):
             edited[name] = "differs from the digest recorded at the store's creation (it was edited)"
     if "identity" in attrs and attrs.get("fingerprint") != fingerprint(attrs["identity"]):
         edited["fingerprint"] = "does not match the identity (the attribute was edited)"
@@ -205,7 +207,7 @@ def _attribute_problems(store: FeatureStore, attrs: dict[str, Any]) -> list[str]
         edited["layers"] = f"does not list the arrays under features/ ({', '.join(layers)}): the attribute was edited"
     if "arrays" in edited:
         edited["arrays"] = "(the store's list of arrays) differs from the one at its creation"
-    return [f"{name} {detail}" for name, detail in edited.items()]
+    return [f"{name} {detail}" for name, detail in edited.items()] + latents.metadata_problems(store, attrs)
 
 
 def _counts(store: FeatureStore, attrs: dict[str, Any], damaged: list[str]) -> dict[str, int]:
@@ -260,7 +262,7 @@ def repair(store: FeatureStore, report: Report) -> Report:
         for name in _unchecked(store):
             store.integrity.restore_checksum(name)
             restored.append(f"crc32c in {name}'s metadata")
-    restored += _restore_attributes(store)
+    restored += _restore_attributes(store) + latents.restore(store)
     counts = {
         name: value
         for name, value in _counts(store, store.attrs, report.documents).items()
