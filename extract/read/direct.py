@@ -33,6 +33,8 @@ import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec
 from zarr.storage import LocalStore
 
+from .placed import check
+
 try:  # hardware crc32c (SSE4.2 / ARMv8), releases the GIL on large buffers
     from crc32c import crc32c as _crc32c
 
@@ -69,10 +71,18 @@ class DirectChunks:
         key = self.array.metadata.encode_chunk_key((chunk, *(0,) * (self.array.ndim - 1)))
         return self.folder / key
 
-    def read(self, chunk: int, into: np.ndarray, fallback: Callable[[], np.ndarray]) -> np.ndarray:
+    def key(self, chunk: int) -> str:
+        """The store key of chunk ``chunk``'s object, as messages name it."""
+        return f"{self.array.path}/{self.array.metadata.encode_chunk_key((chunk, *(0,) * (self.array.ndim - 1)))}"
+
+    def read(
+        self, chunk: int, into: np.ndarray, fallback: Callable[[], np.ndarray], recorded: int | None = None
+    ) -> np.ndarray:
         """Chunk ``chunk``'s rows into the first rows of ``into`` (C-contiguous, the array's dtype and row
         shape) and return them; ``fallback()`` (zarr's read) when the object is absent or ``into`` does not
-        fit. Raises ``ChecksumMismatch`` for an object that fails its checksum or has the wrong size."""
+        fit. Raises ``ChecksumMismatch`` for an object that fails its checksum or has the wrong size, and
+        ``Misplaced`` for one whose crc32c is not ``recorded``, the digest the store recorded for the chunk
+        (None: nothing to compare with)."""
         start = chunk * self.chunk_rows
         rows = min(self.chunk_rows, self.array.shape[0] - start)
         target = into[:rows]
@@ -95,6 +105,7 @@ class DirectChunks:
                 stored = int.from_bytes(data[self.chunk_bytes :], "little")
                 if stored != crc:
                     raise ChecksumMismatch(f"stored crc32c {stored:#010x}, computed {crc:#010x}")
+                check(self.key(chunk), chunk, crc, recorded)  # its place: the crc computed anyway
                 rows_bytes = target.reshape(-1).view(np.uint8)
                 rows_bytes[:] = np.frombuffer(data, np.uint8, count=rows_bytes.size)
         return target

@@ -313,7 +313,7 @@ class Features:
         if self.kind is Kind.TOKENS:
             return self._reads.whole("labels")
         every = range(self.num_chunks)
-        return self._reads.checked("labels", "labels", every, lambda: self.store.array("labels")[:])
+        return self._reads.checked("labels", "labels", every, lambda: self._placed("labels")[:])
 
     @cached_property
     def keys(self) -> np.ndarray:
@@ -324,7 +324,7 @@ class Features:
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind is Kind.TOKENS:
             return self._reads.whole("keys")
-        return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
+        return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self._placed("keys")[:])
 
     @cached_property
     def text(self) -> TextView:
@@ -375,7 +375,7 @@ class Features:
         if self.kind is Kind.TOKENS:
             return self._reads.whole("valid")
         every = range(self.num_chunks)
-        return self._reads.checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
+        return self._reads.checked("valid", "valid", every, lambda: self._placed("valid")[:]) & self.present
 
     def __len__(self) -> int:
         return self.num_samples
@@ -418,12 +418,17 @@ class Features:
         shape = _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled)
         out = _empty((rows.count, *shape), dtype or storage.read_dtype(array, as_torch))
         blocks = list(_blocks(rows, array, self.chunk_size))
+        name = f"features/{layer}"
         return self._reads.checked(
-            f"features/{layer}",
+            name,
             f"layer '{layer}'",
             _touched(rows, self.chunk_size),
-            lambda: _load_into(array, rows, reduce, out, blocks, as_torch),
+            lambda: _load_into(self._reads.placed(name, array), rows, reduce, out, blocks, as_torch),
         )
+
+    def _placed(self, name: str) -> zarr.Array:
+        """Array ``name`` of the store, each of its chunk objects checked for its place (``placed.py``)."""
+        return self._reads.placed(name, self.store.array(name))
 
     def latents(self, layer: str, rows: slice = slice(None), *, as_torch: bool = False, dtype: str = "float32") -> Any:
         """Layer ``layer``'s SAE codes of the rows ``rows`` picks (consecutive) as a (rows, d_sae) CSR matrix:
@@ -505,7 +510,7 @@ class Features:
         rows = _normalize(index, self.num_samples)
         selection = slice(rows.start, rows.stop) if rows.sorted_rows is None else rows.sorted_rows
         touched = _touched(rows, self.chunk_size)
-        labels = self._reads.checked("labels", "labels", touched, lambda: self.store.array("labels")[selection])
+        labels = self._reads.checked("labels", "labels", touched, lambda: self._placed("labels")[selection])
         return labels[rows.inverse] if rows.inverse is not None else labels
 
     def __repr__(self) -> str:

@@ -324,7 +324,7 @@ class TokenStream(IterableDataset):
             return keep
         keep = np.ones(stop - start, dtype=bool)
         if self.rules.special:
-            special = objects.array(features.store.array("special"))
+            special = features._reads.placed("special", objects.array(features.store.array("special")))
             flags = features._reads.checked("special", "special tokens", [chunk], lambda: special[start:stop])
             keep &= ~np.asarray(flags, dtype=bool)
         if self.rules.first:
@@ -339,11 +339,14 @@ class TokenStream(IterableDataset):
         """Chunk ``chunk`` of ``layer`` as stored, into the first samples of ``into``; a missing or damaged
         object is an error naming it (``Features``' own check)."""
         start, stop = self._bounds(chunk)
-        array = features.array(layer)
-        through_zarr = lambda: _read(objects.array(array), slice(start, stop), into)  # noqa: E731
+        array, name, reads = features.array(layer), f"features/{layer}", features._reads
+        through_zarr = lambda: _read(reads.placed(name, objects.array(array)), slice(start, stop), into)  # noqa: E731
         direct = self._direct_chunks(features, layer)
-        read = through_zarr if direct is None else lambda: direct.read(chunk, into, through_zarr)
-        return features._reads.checked(f"features/{layer}", f"layer '{layer}'", [chunk], read)
+        if direct is None:
+            read = through_zarr
+        else:
+            read = lambda: direct.read(chunk, into, through_zarr, reads.expected(name, chunk))  # noqa: E731
+        return reads.checked(name, f"layer '{layer}'", [chunk], read)
 
     def _direct_chunks(self, features: Features, layer: str) -> DirectChunks | None:
         """``layer``'s direct reader (an uncompressed layer on local disk: ``direct.py``), or None for zarr's
@@ -426,6 +429,7 @@ class TokenStream(IterableDataset):
         the arrays, the offsets or the valid flags."""
         for features in opened:
             features._reads.lost  # noqa: B018
+            features._reads.recorded  # noqa: B018
             for source in self.sources:
                 if opened[source.store] is not features:
                     continue
