@@ -12,7 +12,7 @@ copied from there into the caller's: one copy, as from a numpy memmap.
 The object's size is checked before it is mapped. An object truncated while it is mapped would end the
 process with SIGBUS, as for any memmap; the readers take only complete stores, which nothing rewrites.
 
-Anything else is left to zarr: another codec (a compressor, sharding, a transpose), another store (object
+Anything else is left to zarr (and everything, where the ``crc32c`` package is missing: see its import): another codec (a compressor, sharding, a transpose), another store (object
 storage, a wrapper), chunks that split a row, big-endian bytes, a destination that is not one contiguous
 block, or an object that is absent (zarr reads it as the fill value; the checked read decides whether
 that is damage). A checksum that does not match raises ``ChecksumMismatch``, a ``ValueError`` as zarr's
@@ -37,14 +37,16 @@ from .placed import check
 
 try:  # hardware crc32c (SSE4.2 / ARMv8), releases the GIL on large buffers
     from crc32c import crc32c as _crc32c
+except ImportError:  # a broken install (it is a dependency): zarr reads every chunk, as it did before
+    _crc32c = None
+# No fallback to ``google_crc32c`` (zarr's own): its C extension takes only read-only ``bytes``-like objects,
+# not a slice of a mapping (TypeError; its pure-Python build kept the slice exported, and closing the mapping
+# raised BufferError: issue 47), so it would need a copy of every object first, which is zarr's read: the
+# same cost, zarr's code. Without the package the direct read stands aside (``direct_chunks``: None).
 
-    def _extend(crc: int, data: memoryview) -> int:
-        return _crc32c(data, crc)
-except ImportError:  # zarr's own dependency: the same checksum, slower
-    import google_crc32c
 
-    def _extend(crc: int, data: memoryview) -> int:
-        return google_crc32c.extend(crc, data)
+def _extend(crc: int, data: memoryview) -> int:
+    return _crc32c(data, crc)  # type: ignore[misc] - only called when the package is there
 
 
 CHECKSUM_BYTES = 4
@@ -114,6 +116,8 @@ class DirectChunks:
 def direct_chunks(array: zarr.Array) -> DirectChunks | None:
     """``array``'s direct reader, or None when zarr must read it (see the module's docstring)."""
     metadata = array.metadata
+    if _crc32c is None:  # see the import
+        return None
     if getattr(metadata, "zarr_format", None) != 3 or not isinstance(array.store, LocalStore):
         return None
     codecs = tuple(metadata.codecs)
