@@ -382,7 +382,7 @@ class Features:
 
     def array(self, layer: str) -> zarr.Array:
         """The layer's lazy zarr array, (N, *shape); unwritten samples read as NaN."""
-        if layer not in self.attrs["layers"]:
+        if layer not in self.layers:  # read once: ``attrs`` copies the store's attributes at every call
             raise LayerNotFoundError(
                 f"{self.path} has no layer '{layer}'; it has {', '.join(self.attrs['layers'])} "
                 f"(closest: {closest(layer, list(self.attrs['layers']))})"

@@ -95,6 +95,7 @@ class _Source:
     rows: Rows
     key: Key
     d_sae: int | None = None  # SAE codes (``latents/<layer>``): their rows are (k indices, k float16 bits) int32
+    stored: torch.dtype | None = None  # a dense layer's values as stored (bfloat16: its bits' view)
 
     @property
     def codes(self) -> bool:
@@ -256,6 +257,7 @@ class TokenStream(IterableDataset):
         self._features: list[Features] | None = opened
         self._spare: list[_Buffers] = []  # the last pass's buffers, for the next one in this process
         self._direct: dict[tuple[str, str], DirectChunks | None] = {}  # (store path, layer): its reader
+        self._gathered: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}  # ``_take``'s batches
         if self.rules.high_norm is not None:
             self.median_norms = self._median_norms(opened)
 
@@ -286,7 +288,7 @@ class TokenStream(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_features=None, _spare=[], _direct={})
+        state.update(_features=None, _spare=[], _direct={}, _gathered={})
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -392,7 +394,13 @@ class TokenStream(IterableDataset):
         return [(rows, source.rows.width) for source in self.sources]
 
     def _dtypes(self) -> list[torch.dtype]:
-        return [self.dtype] if self.stack else [torch.int32 if s.codes else self.dtype for s in self.sources]
+        """The windows' dtypes: a dense source's window holds its rows as stored, converted to ``dtype`` as
+        each batch is gathered (``_take``): a window converted whole would be written in ``dtype`` (twice the
+        bytes of float16) and gathered from at that size, and the reads could not go straight into it
+        (``direct.py``). A stacked window is one tensor of ``dtype``, its sources' dtypes may differ."""
+        if self.stack:
+            return [self.dtype]
+        return [torch.int32 if s.codes else s.stored or self.dtype for s in self.sources]
 
     def _targets(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each source's (rows, D) part of a window's buffers."""
@@ -464,7 +472,7 @@ class TokenStream(IterableDataset):
                 take = order[: self.batch_size - len(carry[1])]
                 at = len(take)
                 merged = (
-                    [_take(v, take, head=h) for v, h in zip(values, carry[0], strict=True)],
+                    [self._take(v, take, head=h) for v, h in zip(values, carry[0], strict=True)],
                     np.concatenate([carry[1], window.rows[take]]),
                 )
                 carry = None
@@ -475,14 +483,34 @@ class TokenStream(IterableDataset):
             while carry is None and at + self.batch_size <= len(order):
                 take = order[at : at + self.batch_size]
                 at += self.batch_size
-                yield self._item([_take(v, take) for v in values], window.rows[take])
+                yield self._item([self._take(v, take) for v in values], window.rows[take])
             if carry is None and at < len(order):
                 take = order[at:]
-                carry = ([_take(v, take) for v in values], window.rows[take])
+                carry = ([self._take(v, take) for v in values], window.rows[take])
             if not ahead and k + 1 < count:
                 pending = read(k + 1)
         if carry is not None and not self.drop_last:
             yield self._item(*carry)
+
+    def _take(self, values: torch.Tensor, rows: np.ndarray, head: torch.Tensor | None = None) -> torch.Tensor:
+        """``_take`` in the batches' dtype: a window of another dtype (a dense source's, as stored) is
+        gathered into a reused batch of its own dtype, which stays in the CPU's cache, and converted from
+        there into the fresh batch: one pass over the rows gathered, one over the batch."""
+        wanted = values.dtype if values.dtype == torch.int32 else self.dtype
+        if values.dtype == wanted:
+            return _take(values, rows, head)
+        shape = (self.batch_size, *values.shape[1:])
+        gathered = self._gathered.get((shape, values.dtype))
+        if gathered is None:
+            gathered = self._gathered[shape, values.dtype] = _alloc(shape, values.dtype)
+        part = gathered[: len(rows)]
+        np.take(_row_bytes(values), rows, axis=0, out=_row_bytes(part), mode="clip")
+        skip = 0 if head is None else len(head)
+        out = _alloc((skip + len(rows), *values.shape[1:]), wanted)
+        if head is not None:  # numpy's copy of the bytes, not torch's: see ``_take``
+            _row_bytes(out)[:skip] = _row_bytes(head)
+        _convert(out[skip:], part)
+        return out
 
     def _under_norm(self, source: _Source, rows: torch.Tensor) -> np.ndarray | bool:
         """The rows of ``rows`` that ``high_norm`` keeps (True without the rule)."""
@@ -588,7 +616,9 @@ def _source(features: Features, store: int, layer: str, key: Key) -> _Source:
     if layer.startswith(f"{LATENTS}/") and layer not in features.layers:
         codes = codes_of(features, layer.partition("/")[2])
         return _Source(store, layer, Rows((2 * codes.k,)), key, codes.d_sae)
-    return _Source(store, layer, layer_rows(features, layer), key)
+    array = features.array(layer)
+    stored = storage.as_tensor(np.empty(0, array.dtype), storage.is_bfloat16(array)).dtype
+    return _Source(store, layer, layer_rows(features, layer), key, stored=stored)
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -612,6 +642,20 @@ def _take(values: torch.Tensor, rows: np.ndarray, head: torch.Tensor | None = No
         into[:skip] = _row_bytes(head)
     np.take(_row_bytes(values), rows, axis=0, out=into[skip:], mode="clip")  # rows are in range: no "raise" copy
     return out
+
+
+# torch runs an op of at most this many elements inline, on the calling thread (ATen's ``GRAIN_SIZE``)
+INLINE_ELEMENTS = 32768
+
+
+def _convert(into: torch.Tensor, values: torch.Tensor) -> None:
+    """``into[:] = values`` (both contiguous) in ``into``'s dtype, in pieces that torch converts on this
+    thread: a whole batch goes to torch's intra-op threads, which on a busy machine spin and wait for the
+    cores the reading threads hold (1.18 CPU-s/GB for a float16 batch of 4096 x 768 with 2 torch threads at
+    load 13; 0.11-0.13 in pieces, as with 1 torch thread; numpy converts float16 in scalar code, 0.84)."""
+    pieces = into.view(-1).split(INLINE_ELEMENTS)
+    for piece, part in zip(pieces, values.reshape(-1).split(INLINE_ELEMENTS), strict=True):
+        piece.copy_(part)
 
 
 def _row_bytes(values: torch.Tensor) -> np.ndarray:
