@@ -10,7 +10,9 @@ interleaved in one process (the order rotates every repeat), median of ``--repea
     stream_{none,zstd}       one epoch of ``TokenStream(store, layer, 4096, dtype="float16")``, 2 threads
 
 each ``checked`` (as shipped) and ``unchecked`` (the same reader with the place check switched off:
-``CheckedReads.recorded`` None, as for a store from before digests). GB/s and CPU-s/GB of stored bytes.
+``CheckedReads.recorded`` None, as for a store from before digests), each store opened once; GB/s and
+CPU-s/GB of stored bytes. ``open_and_read_digests``: opening a store and reading its digests (once per
+open store, at its first read: one small object a chunk).
 
     python benchmarks/place_check.py [--megabytes 80.25] [--repeats 7] [--json place.json]
 """
@@ -65,13 +67,19 @@ def variants(folder: Path, args: argparse.Namespace, epochs: Iterator[int]) -> t
         path = folder / f"{compressor}.zarr"
         token_store(path, plan, args.dim, token_ids, special, [LAYER], 0, "float16", compressor=compressor)
 
-        def load(path: Path = path) -> None:
-            assert len(open_features(path).load(LAYER, dtype=None)) == num_tokens
+        # opened once, as a trainer opens them: the digests are read at the first read (``digests_open``)
+        features, tokens = open_features(path), TokenStream(path, LAYER, 4096, dtype="float16")
 
-        def stream(path: Path = path) -> None:
-            tokens = TokenStream(path, LAYER, 4096, dtype="float16")
+        def load(features: Any = features) -> None:
+            assert len(features.load(LAYER, dtype=None)) == num_tokens
+
+        def stream(tokens: TokenStream = tokens) -> None:
             tokens.set_epoch(next(epochs))
             assert sum(len(b) for b in tokens) == num_tokens
+
+        def digests_open(path: Path = path) -> None:
+            # what opening adds: the digests read once (one object a chunk), done read as before
+            assert open_features(path)._reads.recorded is not None
 
         for name, run in (("load", load), ("stream", stream)):
             made[f"{name}_{compressor}_checked"] = run
@@ -81,6 +89,7 @@ def variants(folder: Path, args: argparse.Namespace, epochs: Iterator[int]) -> t
                     run()
 
             made[f"{name}_{compressor}_unchecked"] = unchecked
+        made[f"open_and_read_digests_{compressor}_checked"] = digests_open
     return made, num_tokens
 
 
@@ -102,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "zarr": zarr.__version__}
     for name in seconds:
         rate, per_gb = nbytes / seconds[name] / 1e9, cpu[name] / (nbytes / 1e9)
+        if name.startswith("open_"):
+            print(f"{name:<24} {seconds[name] * 1e3:.1f} ms, {cpu[name] * 1e3:.1f} CPU-ms")
+            result[name] = {"seconds": round(seconds[name], 4), "cpu_seconds": round(cpu[name], 4)}
+            continue
         base = cpu[name.replace("_checked", "_unchecked")] / (nbytes / 1e9)
         print(f"{name:<24} {rate:>6.2f} {per_gb:>9.3f} {per_gb / base:>16.3f}")
         result[name] = {"gb_per_s": round(rate, 3), "cpu_seconds_per_gb": round(per_gb, 4)}

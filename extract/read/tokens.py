@@ -172,13 +172,15 @@ class TokenStream(IterableDataset):
     DataLoader with ``persistent_workers=True`` would keep the workers' old epoch).
 
     ``threads`` background threads read and decode the next window (whole chunks, each object's checksum
-    checked: an uncompressed layer on local disk read straight into the window, ``direct.py``, any other
-    through zarr; on object storage, from GETs of all the window's objects at once, ``prefetch.py``) while
-    the consumer takes batches from this one, and convert it to
-    ``dtype``; ``threads=0`` reads in the consumer. Memory per worker is two windows of ``dtype`` rows
-    (``2 x window x chunk_size x D`` per source, times the patches per image) plus a stored chunk per
-    thread (and on object storage the next window's objects, each until it is read). zarr's decode and
-    the conversion release the GIL, so ``num_workers=0`` already uses several
+    checked, and each object's checksum compared with the digest the store recorded for its chunk, so an
+    object in another chunk's place is refused: an uncompressed layer on local disk read straight into the
+    window, ``direct.py``, any other through zarr; on object storage, from GETs of all the window's objects
+    at once, ``prefetch.py``) while the consumer takes batches from this one; ``threads=0`` reads in the
+    consumer. A window holds the rows as stored; each batch is converted to ``dtype`` as it is gathered (a
+    stacked window is converted as it is read). Memory per worker is two windows of stored rows
+    (``2 x window x chunk_size x D`` per source, times the patches per image; of ``dtype`` when stacked)
+    plus a stored chunk per thread and a batch per source (and on object storage the next window's objects,
+    each until it is read). zarr's decode releases the GIL, so ``num_workers=0`` already uses several
     cores; DataLoader workers add a copy of every batch through shared memory, which on a small machine
     costs more than the decode (``benchmarks/token_stream.py``).
 
@@ -571,7 +573,7 @@ class TokenStream(IterableDataset):
         scratch: queue.SimpleQueue,
         objects: WindowObjects = NOT_PREFETCHED,
     ) -> np.ndarray:
-        """Read chunk ``chunk`` of every source into rows ``at:`` of its target, converted to ``dtype``, and
+        """Read chunk ``chunk`` of every source into rows ``at:`` of its target, in the target's dtype, and
         return the mask of its rows the rules keep."""
         start, stop = self._bounds(chunk)
         samples = stop - start
@@ -586,7 +588,7 @@ class TokenStream(IterableDataset):
                 continue
             array = features.array(source.layer)
             target = targets[index][at : at + samples * self.positions]
-            direct = storage.numpy_view(target, array) if source.rows.contiguous else None
+            direct = _stored_view(target, source.stored) if source.rows.contiguous else None
             if direct is not None and not direct.flags.c_contiguous and self._direct_chunks(features, source.layer):
                 direct = None  # a stacked window's column: the direct read fills a thread's chunk, copied in
             if direct is not None:  # decoded straight into the window (bfloat16 too: its bits)
@@ -619,6 +621,14 @@ def _source(features: Features, store: int, layer: str, key: Key) -> _Source:
     array = features.array(layer)
     stored = storage.as_tensor(np.empty(0, array.dtype), storage.is_bfloat16(array)).dtype
     return _Source(store, layer, layer_rows(features, layer), key, stored=stored)
+
+
+def _stored_view(target: torch.Tensor, stored: torch.dtype | None) -> np.ndarray | None:
+    """``storage.numpy_view`` of a window's rows, from the source's stored dtype found once: asked per chunk,
+    the array's attributes would be read again each time."""
+    if target.dtype != stored:
+        return None
+    return target.view(torch.uint16).numpy() if stored == torch.bfloat16 else target.numpy()
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
