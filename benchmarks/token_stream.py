@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 from extract.job.plan import MAX_TOKEN_CHUNK_SIZE, default_chunk_size  # noqa: E402
 from extract.read.direct import direct_chunks  # noqa: E402
 from extract.read.features import _read, open_features  # noqa: E402
-from extract.read.tokens import TokenStream  # noqa: E402
+from extract.read.tokens import TokenStream, _convert  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
 from extract.store.text_arrays import TextArrays  # noqa: E402
@@ -550,9 +550,10 @@ def direct_variants(
                 delivered += len(np.take(memmap_window, permuted[b : b + batch], axis=0))
         assert delivered == num_tokens
 
-    def npy_memmap_float32() -> None:
+    def npy_memmap_float32(inline: bool = False) -> None:
         """``npy_memmap``, each batch converted to float32 by torch as it is gathered (numpy converts
-        float16 in scalar code, several times slower)."""
+        float16 in scalar code, several times slower); ``inline``: in the pieces torch converts on the
+        calling thread, as the stream converts (``tokens._convert``), not on torch's intra-op threads."""
         source = np.load(npy_path, mmap_mode="r")
         rng = np.random.default_rng(next(epochs))
         order = rng.permutation(plan.num_chunks)
@@ -566,7 +567,13 @@ def direct_variants(
             permuted = rng.permutation(at)
             for b in range(0, at, batch):
                 rows = torch.from_numpy(np.take(memmap_window, permuted[b : b + batch], axis=0))
-                delivered += len((rows.view(torch.bfloat16) if dtype == "bfloat16" else rows).float())
+                rows = rows.view(torch.bfloat16) if dtype == "bfloat16" else rows
+                if inline:
+                    converted = torch.empty(rows.shape, dtype=torch.float32)
+                    _convert(converted, rows)
+                else:
+                    converted = rows.float()
+                delivered += len(converted)
         assert delivered == num_tokens
 
     def codec_in_order() -> None:
@@ -586,6 +593,7 @@ def direct_variants(
         f"h_stream_direct_f32_{dtype}": stream(TokenStream, out="float32"),
         f"h_stream_direct_f32_t0_{dtype}": stream(TokenStream, threads=0, out="float32"),
         f"h_npy_memmap_f32_{dtype}": npy_memmap_float32,
+        f"h_npy_memmap_f32_inline_{dtype}": lambda: npy_memmap_float32(inline=True),
         f"h_zarr_read_in_order_{dtype}": codec_in_order,
         f"h_direct_read_in_order_{dtype}": direct_in_order,
         f"h_stack_direct_{dtype}": stream(TokenStream, [path, other]),
@@ -604,7 +612,8 @@ def direct_main(args: argparse.Namespace) -> int:
         h_npy_memmap      a ``.npy`` memmap of the same rows: the same shuffled chunks and windows, rows
                           permuted and gathered into fresh batches of the stored dtype
         h_stream_direct_f32, h_stream_direct_f32_t0, h_npy_memmap_f32: the same with float32 batches (the
-                          memmap's gathered batches converted by torch), each against the memmap's
+                          memmap's gathered batches converted by torch), each against the memmap's;
+                          h_npy_memmap_f32_inline converts them as the stream does (torch, inline pieces)
         h_zarr_read_in_order, h_direct_read_in_order: the chunks in order into one reused window, through
                           zarr and through the direct read: the floors, no shuffle, no batches
         h_stack_direct, h_stack_zarr: ``TokenStream([store, other], L, stack=True)`` over a second store of
