@@ -86,6 +86,23 @@ class CheckedReads:
         table[done] = np.where(readable[done, None], values[done], UNREADABLE)
         return columns, table
 
+    def follow(self, chunks: list[int]) -> None:
+        """Chunks seen done since the store was opened (a job still writes it): read as done, their lost
+        objects found (one listing per array) and their digests read, as for the chunks done at the open."""
+        done, lost, recorded = self.done, self.lost, self.recorded  # as of the open, if not read yet
+        done[chunks] = True
+        for k, names in self.store.integrity.missing_objects(chunks).items():
+            lost[k] = names
+        rows = self.store.integrity.digests_array()
+        if recorded is None or rows is None:
+            return
+        for k in chunks:  # a digests row is written before its chunk's done flag
+            try:
+                row = np.asarray(rows[k], dtype=np.int64)
+            except ValueError:
+                row = np.zeros(len(recorded[0]), dtype=np.int64)
+            recorded[1][k] = row if row.any() else UNREADABLE
+
     def expected(self, name: str, chunk: int) -> int | None:
         """The digest recorded for chunk ``chunk``'s object in array ``name``; None where there is none to
         compare with (no digests, an array they do not cover, a chunk not done)."""

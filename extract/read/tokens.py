@@ -7,6 +7,7 @@ from the same tokens, or the patches of an image store's per-position layers (``
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -199,7 +200,15 @@ class TokenStream(IterableDataset):
       same for every rank, worker and epoch.
 
     The stores are opened once per process that iterates: only the paths are pickled to DataLoader
-    workers, never an open zarr handle. They must be complete.
+    workers, never an open zarr handle. They must be complete, unless ``follow=True``: then the first
+    pass follows a store a job is still writing (on disk or object storage, from its creation on): it
+    reads each chunk once it is marked done (every ``poll`` seconds it lists ``done``), ``window`` done
+    chunks at a time in the order they were done, their rows shuffled within the window, and ends when the
+    store says complete. Each row comes exactly once in that pass, over all ranks and workers (chunk k is
+    rank ``k % world_size``'s). A killed job leaves the pass waiting; its rerun (resume) is followed
+    through. Later passes in the same process are shuffled epochs over the complete store (a DataLoader
+    without ``persistent_workers`` pickles the stream anew: set ``follow = False`` after the first pass).
+    ``high_norm`` needs the finished store, and is refused with ``follow``.
     """
 
     def __init__(
@@ -218,6 +227,8 @@ class TokenStream(IterableDataset):
         threads: int = 2,
         return_index: bool = False,
         stack: bool = False,
+        follow: bool = False,
+        poll: float = 1.0,
     ) -> None:
         if batch_size < 1 or window < 1 or threads < 0:
             raise ValueError(
@@ -240,7 +251,14 @@ class TokenStream(IterableDataset):
         self.dtype = _torch_dtype(dtype)
         self.rules = _parse_rules(exclude)
         self.rank, self.world_size = _rank_and_world_size(rank, world_size)
-        opened = [open_features(location) for location in self.locations]
+        self.follow, self.poll = follow, poll
+        self._followed = self._following = False  # follow's first pass: done in this process / under way
+        if follow and self.rules.high_norm is not None:
+            raise ExcludeRuleError(
+                "exclude rule 'high_norm' takes a median over the store's chunks, which a store being written "
+                "does not have yet: follow=True streams without it"
+            )
+        opened = [open_features(location, allow_partial=follow) for location in self.locations]
         if several:
             check_aligned(opened)
         self.sources = [
@@ -290,7 +308,7 @@ class TokenStream(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_features=None, _spare=[], _direct={}, _gathered={})
+        state.update(_features=None, _spare=[], _direct={}, _gathered={}, _following=False)
         return state
 
     def set_epoch(self, epoch: int) -> None:
@@ -300,7 +318,8 @@ class TokenStream(IterableDataset):
         for location in self.locations:
             check_not_forked(location)
         if self._features is None:
-            self._features = [open_features(location) for location in self.locations]
+            following = self.follow and not self._followed
+            self._features = [open_features(location, allow_partial=following) for location in self.locations]
         return self._features
 
     def _bounds(self, chunk: int) -> tuple[int, int]:
@@ -322,7 +341,12 @@ class TokenStream(IterableDataset):
         patches of its valid images that ``first:K`` keeps)."""
         start, stop = self._bounds(chunk)
         if self.images:
-            keep = np.repeat(features.valid[start:stop], self.positions)
+            if self._following:  # ``valid`` is read once, and chunks written since would read as invalid
+                read = lambda: features._placed("valid")[start:stop]  # noqa: E731
+                valid = np.asarray(features._reads.checked("valid", "valid", [chunk], read), dtype=bool)
+            else:
+                valid = features.valid[start:stop]
+            keep = np.repeat(valid, self.positions)
             if self.rules.first:
                 keep &= np.tile(np.arange(self.positions) >= self.rules.first, stop - start)
             return keep
@@ -413,11 +437,16 @@ class TokenStream(IterableDataset):
     def __iter__(self) -> Iterator[Batch | tuple[Batch, torch.Tensor]]:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        chunks = self.chunks(worker, num_workers)
-        windows = [chunks[i : i + self.window] for i in range(0, len(chunks), self.window)]
-        if not windows:
-            return
-        opened = self._open()
+        self._following = self.follow and not self._followed
+        if self._following:
+            opened = self._open()
+            windows: Iterator[np.ndarray] = self._done_windows(opened, worker, num_workers)
+        else:
+            chunks = self.chunks(worker, num_workers)
+            if not len(chunks):
+                return
+            windows = iter([chunks[i : i + self.window] for i in range(0, len(chunks), self.window)])
+            opened = self._open()
         self._prepare(opened)
         rng = np.random.default_rng((self.seed, self.epoch, 1, self.rank, worker))
         shapes = self._shapes()
@@ -427,12 +456,44 @@ class TokenStream(IterableDataset):
         buffers, scratch = allocated.windows, allocated.scratch
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="extract-stream") if self.threads else None
         try:
-            read = lambda k: self._submit(pool, opened, windows[k], buffers[k % 2], scratch)  # noqa: E731
-            yield from self._batches(len(windows), read, buffers, rng)
+            read = lambda chunks, k: self._submit(pool, opened, chunks, buffers[k % 2], scratch)  # noqa: E731
+            yield from self._batches(windows, read, buffers, rng)
+            if self._following:  # the store is complete: later passes are shuffled epochs over it
+                self._followed, self._features = True, None
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
             self._spare = [allocated]
+            self._following = False
+
+    def _done_windows(self, opened: list[Features], worker: int, num_workers: int) -> Iterator[np.ndarray]:
+        """``follow``'s first pass: this worker's chunks (chunk k is rank ``k % world_size``'s, and of its
+        chunks every ``num_workers``-th is this worker's) as the job marks them done in every store, ``window``
+        at a time (fewer at the end), until every store says complete; waits ``poll`` seconds between looks.
+        Each look is a listing of ``done`` and a read of the status, the status first: a store says complete
+        only once every chunk is done, so the listing after it has them all."""
+        mine = np.arange(self.num_chunks)
+        mine = mine[mine % self.world_size == self.rank][worker::num_workers]
+        waiting, ready = set(mine.tolist()), []
+        while waiting or ready:
+            complete = all(f.store.attrs.get("status") == "complete" for f in opened)
+            done = set.intersection(*(f.store.integrity.stored_chunks("done", waiting) for f in opened))
+            if done:
+                new = sorted(done)
+                for features in opened:
+                    features._reads.follow(new)
+                ready += new
+                waiting -= done
+            while len(ready) >= self.window or (ready and (complete or not waiting)):
+                yield np.asarray(ready[: self.window])
+                ready = ready[self.window :]
+            if complete and waiting:
+                raise ExtractError(
+                    f"{opened[0].path} says complete, but chunks {sorted(waiting)[:5]} are not done: run "
+                    f"`python -m extract.verify {opened[0].path} --repair`, then the job's command again"
+                )
+            if waiting and not done:
+                time.sleep(self.poll)
 
     def _prepare(self, opened: list[Features]) -> None:
         """Read what the threads share once, here, rather than race for it: the listing of missing objects,
@@ -447,7 +508,7 @@ class TokenStream(IterableDataset):
                     codes_of(features, source.layer.partition("/")[2])
                 else:
                     features.array(source.layer)
-        if self.images:
+        if self.images and not self._following:
             opened[0].valid  # noqa: B018
         if self.rules.special:
             opened[0].store.array("special")
@@ -455,18 +516,23 @@ class TokenStream(IterableDataset):
             opened[0].offsets  # noqa: B018
 
     def _batches(
-        self, count: int, read: Any, buffers: list[list[torch.Tensor]], rng: np.random.Generator
+        self, windows: Iterator[np.ndarray], read: Any, buffers: list[list[torch.Tensor]], rng: np.random.Generator
     ) -> Iterator[Batch | tuple[Batch, torch.Tensor]]:
-        """The batches of ``count`` windows, each read by ``read(k)``. With reading threads the next window
-        is read while this one is cut; without, after it: read before, it would push this window out of the
-        CPU's cache before its rows are gathered (a window of 4 chunks of 768 float16 is 20 MB, the L3 32)."""
+        """The batches of the ``windows`` (each an array of chunks), the k-th read by ``read(chunks, k)``.
+        With reading threads the next window is read while this one is cut; without, after it: read before,
+        it would push this window out of the CPU's cache before its rows are gathered (a window of 4 chunks
+        of 768 float16 is 20 MB, the L3 32). Following a job (``follow``), the next window may not be done
+        yet: it is read after this one is cut, never waited for before this one's batches."""
         carry: tuple[list[torch.Tensor], np.ndarray] | None = None
-        ahead = self.threads > 0
-        pending = read(0)
-        for k in range(count):
+        ahead = self.threads > 0 and not self._following
+        first = next(windows, None)
+        pending = None if first is None else read(first, 0)
+        k = 0
+        while pending is not None:
             window = _gather(pending, self.positions)
-            if ahead and k + 1 < count:
-                pending = read(k + 1)
+            pending = None
+            if ahead and (upcoming := next(windows, None)) is not None:
+                pending = read(upcoming, k + 1)
             values = buffers[k % 2]
             order = rng.permutation(window.keep)
             at = 0
@@ -489,8 +555,9 @@ class TokenStream(IterableDataset):
             if carry is None and at < len(order):
                 take = order[at:]
                 carry = ([self._take(v, take) for v in values], window.rows[take])
-            if not ahead and k + 1 < count:
-                pending = read(k + 1)
+            if not ahead and (upcoming := next(windows, None)) is not None:
+                pending = read(upcoming, k + 1)
+            k += 1
         if carry is not None and not self.drop_last:
             yield self._item(*carry)
 
