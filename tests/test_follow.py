@@ -102,6 +102,33 @@ def test_a_stream_follows_a_job_from_its_first_chunk_through_a_kill_and_its_resu
     assert np.array_equal(np.sort(flat), np.arange(IMAGES * SIDE * SIDE))  # every row exactly once
     np.testing.assert_array_equal(values, per_patch[rows[:, 0], rows[:, 1]])
 
+    # Features.follow over the same (now complete) store: every chunk once, in its bounds
+    from extract import open_features
+
+    followed = list(open_features(out, allow_partial=True).follow(poll=0.1))
+    assert sorted(followed) == [(k, k * CHUNK, (k + 1) * CHUNK) for k in range(IMAGES // CHUNK)]
+
     again = [index.numpy() for _, index in stream]  # the next pass: a shuffled epoch of the complete store
     again = np.concatenate(again)
     assert np.array_equal(np.sort(again[:, 0] * SIDE * SIDE + again[:, 1]), np.arange(IMAGES * SIDE * SIDE))
+
+
+def test_features_follow_a_live_job_chunk_by_chunk(tmp_path):
+    """``Features.follow`` yields each chunk once as the job marks it done; its rows read then (checked) are
+    the complete store's."""
+    from extract import open_features
+
+    out = tmp_path / "live.zarr"
+    job = _start(out, pace=0.3)
+    _wait(lambda: _status(out) == "running", job)
+    features = open_features(out, allow_partial=True)
+    chunks, rows, statuses = [], {}, []
+    for chunk, start, stop in features.follow(poll=0.05):
+        statuses.append(_status(out))
+        chunks.append(chunk)
+        rows[chunk] = features.load("conv", slice(start, stop), dtype=None)
+    assert job.wait(timeout=PATIENCE) == 0, job.stderr.read()[-3000:]
+    assert sorted(chunks) == list(range(IMAGES // CHUNK)) and statuses[0] == "running"
+    stored = FeatureStore.open(out, mode="r").group["features/conv"][:]
+    for chunk, values in rows.items():
+        np.testing.assert_array_equal(values, stored[chunk * CHUNK : (chunk + 1) * CHUNK])

@@ -7,7 +7,6 @@ from the same tokens, or the patches of an image store's per-position layers (``
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from ..store.chunks import Plan
 from ..store.location import Location, check_not_forked, locate
 from .dataset import _rank_and_world_size
 from .direct import DirectChunks, direct_chunks
-from .features import Features, _read, open_features
+from .features import Features, _read, follow_done, open_features
 from .latents import LATENTS, codes_of, csr
 from .prefetch import NOT_PREFETCHED, WindowObjects, prefetch_window
 from .sources import Rows, check_aligned, layer_rows
@@ -474,26 +473,12 @@ class TokenStream(IterableDataset):
         only once every chunk is done, so the listing after it has them all."""
         mine = np.arange(self.num_chunks)
         mine = mine[mine % self.world_size == self.rank][worker::num_workers]
-        waiting, ready = set(mine.tolist()), []
-        while waiting or ready:
-            complete = all(f.store.attrs.get("status") == "complete" for f in opened)
-            done = set.intersection(*(f.store.integrity.stored_chunks("done", waiting) for f in opened))
-            if done:
-                new = sorted(done)
-                for features in opened:
-                    features._reads.follow(new)
-                ready += new
-                waiting -= done
-            while len(ready) >= self.window or (ready and (complete or not waiting)):
+        ready: list[int] = []
+        for new, last in follow_done(opened, mine.tolist(), self.poll):
+            ready += new
+            while len(ready) >= self.window or (ready and last):
                 yield np.asarray(ready[: self.window])
                 ready = ready[self.window :]
-            if complete and waiting:
-                raise ExtractError(
-                    f"{opened[0].path} says complete, but chunks {sorted(waiting)[:5]} are not done: run "
-                    f"`python -m extract.verify {opened[0].path} --repair`, then the job's command again"
-                )
-            if waiting and not done:
-                time.sleep(self.poll)
 
     def _prepare(self, opened: list[Features]) -> None:
         """Read what the threads share once, here, rather than race for it: the listing of missing objects,
