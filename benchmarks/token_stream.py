@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 from extract.job.plan import MAX_TOKEN_CHUNK_SIZE, default_chunk_size  # noqa: E402
 from extract.read.direct import direct_chunks  # noqa: E402
 from extract.read.features import _read, open_features  # noqa: E402
-from extract.read.tokens import TokenStream  # noqa: E402
+from extract.read.tokens import TokenStream, _convert  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
 from extract.store.text_arrays import TextArrays  # noqa: E402
@@ -521,9 +521,9 @@ def direct_variants(
     reused = np.empty((window_rows, args.dim), dtype=array.dtype)
     memmap_window = np.empty((window_rows, args.dim), dtype=array.dtype)
 
-    def stream(kind: type[TokenStream], stores: Any = path, threads: int = 2) -> Callable[[], None]:
+    def stream(kind: type[TokenStream], stores: Any = path, threads: int = 2, out: str = dtype) -> Callable[[], None]:
         stack = not isinstance(stores, Path)
-        tokens = kind(stores, LAYER, batch, window=args.window, threads=threads, dtype=dtype, stack=stack)
+        tokens = kind(stores, LAYER, batch, window=args.window, threads=threads, dtype=out, stack=stack)
 
         def epoch() -> None:
             tokens.set_epoch(next(epochs))
@@ -550,6 +550,32 @@ def direct_variants(
                 delivered += len(np.take(memmap_window, permuted[b : b + batch], axis=0))
         assert delivered == num_tokens
 
+    def npy_memmap_float32(inline: bool = False) -> None:
+        """``npy_memmap``, each batch converted to float32 by torch as it is gathered (numpy converts
+        float16 in scalar code, several times slower); ``inline``: in the pieces torch converts on the
+        calling thread, as the stream converts (``tokens._convert``), not on torch's intra-op threads."""
+        source = np.load(npy_path, mmap_mode="r")
+        rng = np.random.default_rng(next(epochs))
+        order = rng.permutation(plan.num_chunks)
+        delivered = 0
+        for w in range(0, len(order), args.window):
+            at = 0
+            for chunk in order[w : w + args.window]:
+                start, stop = plan.bounds(int(chunk))
+                memmap_window[at : at + stop - start] = source[start:stop]
+                at += stop - start
+            permuted = rng.permutation(at)
+            for b in range(0, at, batch):
+                rows = torch.from_numpy(np.take(memmap_window, permuted[b : b + batch], axis=0))
+                rows = rows.view(torch.bfloat16) if dtype == "bfloat16" else rows
+                if inline:
+                    converted = torch.empty(rows.shape, dtype=torch.float32)
+                    _convert(converted, rows)
+                else:
+                    converted = rows.float()
+                delivered += len(converted)
+        assert delivered == num_tokens
+
     def codec_in_order() -> None:
         for start in range(0, num_tokens, window_rows):
             _read(array, slice(start, min(start + window_rows, num_tokens)), reused)
@@ -564,6 +590,10 @@ def direct_variants(
         f"h_stream_direct_t0_{dtype}": stream(TokenStream, threads=0),
         f"h_stream_zarr_{dtype}": stream(_ThroughZarr),
         f"h_npy_memmap_{dtype}": npy_memmap,
+        f"h_stream_direct_f32_{dtype}": stream(TokenStream, out="float32"),
+        f"h_stream_direct_f32_t0_{dtype}": stream(TokenStream, threads=0, out="float32"),
+        f"h_npy_memmap_f32_{dtype}": npy_memmap_float32,
+        f"h_npy_memmap_f32_inline_{dtype}": lambda: npy_memmap_float32(inline=True),
         f"h_zarr_read_in_order_{dtype}": codec_in_order,
         f"h_direct_read_in_order_{dtype}": direct_in_order,
         f"h_stack_direct_{dtype}": stream(TokenStream, [path, other]),
@@ -581,6 +611,9 @@ def direct_main(args: argparse.Namespace) -> int:
         h_stream_zarr     the same stream with every chunk decoded by zarr, as before (``_ThroughZarr``)
         h_npy_memmap      a ``.npy`` memmap of the same rows: the same shuffled chunks and windows, rows
                           permuted and gathered into fresh batches of the stored dtype
+        h_stream_direct_f32, h_stream_direct_f32_t0, h_npy_memmap_f32: the same with float32 batches (the
+                          memmap's gathered batches converted by torch), each against the memmap's;
+                          h_npy_memmap_f32_inline converts them as the stream does (torch, inline pieces)
         h_zarr_read_in_order, h_direct_read_in_order: the chunks in order into one reused window, through
                           zarr and through the direct read: the floors, no shuffle, no batches
         h_stack_direct, h_stack_zarr: ``TokenStream([store, other], L, stack=True)`` over a second store of
@@ -601,7 +634,8 @@ def direct_main(args: argparse.Namespace) -> int:
     read = {name: nbytes * (2 if name.startswith("h_stack_") else 1) for name in seconds}  # a pair: both stores
     rates = {name: read[name] / s / 1e9 for name, s in seconds.items()}
     cpu_per_gb = {name: c / (read[name] / 1e9) for name, c in cpu.items()}
-    memmap = {name: f"h_npy_memmap_{name.rpartition('_')[2]}" for name in seconds}
+    # each variant against the memmap delivering batches of the same dtype (float32: ``_f32_``)
+    memmap = {name: f"h_npy_memmap_{'f32_' * ('_f32_' in name)}{name.rpartition('_')[2]}" for name in seconds}
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, {platform.platform()}",
         "versions": {"torch": torch.__version__, "zarr": zarr.__version__, "numpy": np.__version__},

@@ -170,6 +170,13 @@ def test_one_changed_token_id_is_found_by_its_chunk_checksum(text_stores, tmp_pa
     token = 7 * CHUNK + 13
     was = int(ids[token])
     ids[token] = was + 1  # through zarr: a valid object with its own checksum, other bytes
+    # ... and recorded as the chunk's (a store that holds other tokens, not a damaged one: issue 45's place
+    # check would name the object otherwise)
+    group = zarr.open_group(changed, mode="r+")
+    digests, column = group["digests"], list(group["digests"].attrs["arrays"]).index("token_ids")
+    row = digests[7]
+    row[column] = int.from_bytes((changed / "token_ids" / "c" / "7").read_bytes()[-4:], "little")
+    digests[7] = row
     with pytest.raises(UnalignedStoresError, match=rf": token {token} \(chunk 7\) has token_ids {was} vs {was + 1};"):
         TokenStream([text_stores["a"], changed], LAYERS[0], 8)
 

@@ -64,7 +64,10 @@ def counted_direct_reads(monkeypatch) -> list[int]:
     """A list that grows by one for every object read straight from its file (not handed back to zarr)."""
     reads: list[int] = []
     original = direct._extend  # the checksum over a mapped object: once an object, only on the direct read
-    monkeypatch.setattr(direct, "_extend", lambda crc, data: reads.append(len(data)) or original(crc, data))
+    # an object's checksum starts at 0 (a padded last chunk's goes on over its padding)
+    monkeypatch.setattr(
+        direct, "_extend", lambda crc, data: (crc == 0 and reads.append(len(data))) or original(crc, data)
+    )
     return reads
 
 
@@ -182,3 +185,47 @@ def test_a_lost_object_is_named_by_the_stream(tmp_path):
     object_of(path, 4).unlink()
     with pytest.raises(StoreDamagedError, match=rf"layer '{LAYER}', chunk 4 \(samples 192-239\) is missing"):
         list(TokenStream(path, LAYER, 40, dtype="float32"))
+
+
+HIDDEN_CRC32C = """
+import sys
+sys.modules["crc32c"] = None  # import crc32c raises ImportError, as where the package is not installed
+import numpy as np, torch
+from extract import TokenStream, open_features
+from extract.errors import StoreDamagedError
+from extract.read.direct import direct_chunks
+
+path, out, layer = sys.argv[1:4]
+assert direct_chunks(open_features(path).array(layer)) is None, "the direct read must stand aside"
+values, rows = [], []
+for batch, index in TokenStream(path, layer, 40, dtype="float16", return_index=True):
+    values.append(batch.numpy())
+    rows.append(index.numpy())
+np.savez(out, values=np.concatenate(values), rows=np.concatenate(rows))
+"""
+
+
+def test_without_the_crc32c_package_the_stream_reads_through_zarr(tmp_path):
+    """Issue 47 item 5: with ``crc32c`` hidden (in a subprocess), ``TokenStream`` on an uncompressed store
+    (the direct read's) reads every chunk through zarr and yields zarr's rows, each once; a flipped byte is
+    still the error naming its chunk."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    path, expected = token_store(tmp_path / "s.zarr", "float16", "none")
+    environment = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    run = [sys.executable, "-c", HIDDEN_CRC32C, str(path), str(tmp_path / "out.npz"), LAYER]
+    done = subprocess.run(run, capture_output=True, text=True, env=environment, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    assert np.array_equal(np.sort(got["rows"]), np.arange(TOKENS))
+    np.testing.assert_array_equal(got["values"], zarr.open_array(path / "features" / LAYER, mode="r")[:][got["rows"]])
+    np.testing.assert_array_equal(got["values"], expected[got["rows"]])
+    data = bytearray(object_of(path, 3).read_bytes())
+    data[10] ^= 0xFF
+    object_of(path, 3).write_bytes(bytes(data))
+    done = subprocess.run(run, capture_output=True, text=True, env=environment, timeout=600)
+    assert done.returncode != 0 and "StoreDamagedError" in done.stderr, done.stderr[-3000:]
+    assert f"chunk 3 (samples {3 * CHUNK}-{4 * CHUNK - 1}) fails its check" in done.stderr, done.stderr[-3000:]

@@ -19,8 +19,11 @@ from ..store.arrays import chunk_key
 from ..store.integrity import decodes
 from ..store.location import from_object_storage, storage_error
 from ..store.store import FeatureStore
+from .placed import UNREADABLE, Misplaced, placed
 
 T = TypeVar("T")
+
+NOT_RECORDED = -2  # ``CheckedReads.recorded`` of a chunk not done: nothing to compare its objects with
 
 # A chunk of a complete store whose done flag is False: every chunk was marked done before the status said
 # complete, so the flag's object was lost or torn since (``verify`` says the same, and --repair clears it).
@@ -56,6 +59,67 @@ class CheckedReads:
         """Done chunks whose object is absent, per array: found once, at the first read."""
         return self.store.integrity.missing_objects(np.flatnonzero(self.done).tolist())
 
+    @cached_property
+    def recorded(self) -> tuple[dict[str, int], np.ndarray] | None:
+        """The digests the store recorded for its done chunks: ({array: column}, (K, A) int64, -2 for a chunk
+        not done, nothing recorded yet; ``UNREADABLE`` for a done chunk whose digests row is missing or fails
+        its check), read once; None for a store written before digests."""
+        rows = self.store.integrity.digests_array()
+        if rows is None:
+            return None
+        done = self.done  # first: a digests row is written before its done flag, never after
+        columns = {str(name): i for i, name in enumerate(rows.attrs["arrays"])}
+        table = np.full((len(done), len(columns)), NOT_RECORDED, dtype=np.int64)
+        try:
+            values = np.asarray(rows[:], dtype=np.int64)
+            readable = np.ones(len(done), dtype=bool)
+        except ValueError:  # a row that fails its checksum: read the others one by one
+            values = np.zeros((len(done), len(columns)), dtype=np.int64)
+            readable = np.zeros(len(done), dtype=bool)
+            for k in np.flatnonzero(done):
+                try:
+                    values[k], readable[k] = rows[int(k)], True
+                except ValueError:
+                    pass
+        # an absent row reads as its fill value, 0s: every object's crc32c 0 is a 1 in 2^32A chance
+        readable &= values.any(axis=1)
+        table[done] = np.where(readable[done, None], values[done], UNREADABLE)
+        return columns, table
+
+    def follow(self, chunks: list[int]) -> None:
+        """Chunks seen done since the store was opened (a job still writes it): read as done, their lost
+        objects found (one listing per array) and their digests read, as for the chunks done at the open."""
+        done, lost, recorded = self.done, self.lost, self.recorded  # as of the open, if not read yet
+        done[chunks] = True
+        for k, names in self.store.integrity.missing_objects(chunks).items():
+            lost[k] = names
+        rows = self.store.integrity.digests_array()
+        if recorded is None or rows is None:
+            return
+        for k in chunks:  # a digests row is written before its chunk's done flag
+            try:
+                row = np.asarray(rows[k], dtype=np.int64)
+            except ValueError:
+                row = np.zeros(len(recorded[0]), dtype=np.int64)
+            recorded[1][k] = row if row.any() else UNREADABLE
+
+    def expected(self, name: str, chunk: int) -> int | None:
+        """The digest recorded for chunk ``chunk``'s object in array ``name``; None where there is none to
+        compare with (no digests, an array they do not cover, a chunk not done)."""
+        recorded = self.recorded
+        if recorded is None or name not in recorded[0]:
+            return None
+        value = int(recorded[1][chunk, recorded[0][name]])
+        return None if value == NOT_RECORDED else value
+
+    def placed(self, name: str, array: zarr.Array) -> zarr.Array:
+        """``array`` (array ``name``'s, or a view of it) reading each chunk object only if it is the one the
+        store recorded for that chunk (``placed.py``); ``array`` itself where nothing was recorded."""
+        recorded = self.recorded
+        if recorded is None or name not in recorded[0]:
+            return array
+        return placed(array, lambda chunk: self.expected(name, chunk))
+
     def checked(self, name: str, what: str, chunks: Iterable[int], read: Callable[[], T]) -> T:
         """``read()``, unless one of ``chunks`` of array ``name`` is damaged: a done chunk whose object is
         missing or fails its checksum, or, in a complete store, a chunk not marked done (every chunk was,
@@ -72,6 +136,8 @@ class CheckedReads:
             return read()
         except ExtractError:
             raise
+        except Misplaced as e:  # a whole object, in another chunk's place
+            raise self.damaged(what, e.chunk, e.problem) from None
         except Exception as e:  # noqa: BLE001 - a codec's error on a damaged object: name the chunk
             if from_object_storage(e):  # an outage past the retries: not damage
                 raise storage_error(str(self.path), e) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -313,7 +314,7 @@ class Features:
         if self.kind is Kind.TOKENS:
             return self._reads.whole("labels")
         every = range(self.num_chunks)
-        return self._reads.checked("labels", "labels", every, lambda: self.store.array("labels")[:])
+        return self._reads.checked("labels", "labels", every, lambda: self._placed("labels")[:])
 
     @cached_property
     def keys(self) -> np.ndarray:
@@ -324,7 +325,7 @@ class Features:
             raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind is Kind.TOKENS:
             return self._reads.whole("keys")
-        return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self.store.array("keys")[:])
+        return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self._placed("keys")[:])
 
     @cached_property
     def text(self) -> TextView:
@@ -375,14 +376,14 @@ class Features:
         if self.kind is Kind.TOKENS:
             return self._reads.whole("valid")
         every = range(self.num_chunks)
-        return self._reads.checked("valid", "valid", every, lambda: self.store.array("valid")[:]) & self.present
+        return self._reads.checked("valid", "valid", every, lambda: self._placed("valid")[:]) & self.present
 
     def __len__(self) -> int:
         return self.num_samples
 
     def array(self, layer: str) -> zarr.Array:
         """The layer's lazy zarr array, (N, *shape); unwritten samples read as NaN."""
-        if layer not in self.attrs["layers"]:
+        if layer not in self.layers:  # read once: ``attrs`` copies the store's attributes at every call
             raise LayerNotFoundError(
                 f"{self.path} has no layer '{layer}'; it has {', '.join(self.attrs['layers'])} "
                 f"(closest: {closest(layer, list(self.attrs['layers']))})"
@@ -418,12 +419,26 @@ class Features:
         shape = _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled)
         out = _empty((rows.count, *shape), dtype or storage.read_dtype(array, as_torch))
         blocks = list(_blocks(rows, array, self.chunk_size))
+        name = f"features/{layer}"
         return self._reads.checked(
-            f"features/{layer}",
+            name,
             f"layer '{layer}'",
             _touched(rows, self.chunk_size),
-            lambda: _load_into(array, rows, reduce, out, blocks, as_torch),
+            lambda: _load_into(self._reads.placed(name, array), rows, reduce, out, blocks, as_torch),
         )
+
+    def _placed(self, name: str) -> zarr.Array:
+        """Array ``name`` of the store, each of its chunk objects checked for its place (``placed.py``)."""
+        return self._reads.placed(name, self.store.array(name))
+
+    def follow(self, poll: float = 1.0) -> Iterator[tuple[int, int, int]]:
+        """(chunk, start, stop) of each chunk of a store that a job is still writing (opened with
+        ``allow_partial=True``), as the job marks it done, each once, until the store says complete: rows
+        ``start:stop`` of every array then read as any read does, checked (a killed job leaves it waiting;
+        its resume is followed through). ``present`` is of the open, not updated."""
+        for new, _ in follow_done([self], range(self.num_chunks), poll):
+            for chunk in new:
+                yield (chunk, *self._reads.plan.bounds(chunk))
 
     def latents(self, layer: str, rows: slice = slice(None), *, as_torch: bool = False, dtype: str = "float32") -> Any:
         """Layer ``layer``'s SAE codes of the rows ``rows`` picks (consecutive) as a (rows, d_sae) CSR matrix:
@@ -505,7 +520,7 @@ class Features:
         rows = _normalize(index, self.num_samples)
         selection = slice(rows.start, rows.stop) if rows.sorted_rows is None else rows.sorted_rows
         touched = _touched(rows, self.chunk_size)
-        labels = self._reads.checked("labels", "labels", touched, lambda: self.store.array("labels")[selection])
+        labels = self._reads.checked("labels", "labels", touched, lambda: self._placed("labels")[selection])
         return labels[rows.inverse] if rows.inverse is not None else labels
 
     def __repr__(self) -> str:
@@ -523,6 +538,31 @@ class Features:
             return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
         rows = f"N={self.num_samples}" if self.kind is Kind.IMAGES else f"{self.num_samples} documents"
         return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
+
+
+def follow_done(opened: Sequence[Features], chunks: Iterable[int], poll: float) -> Iterator[tuple[list[int], bool]]:
+    """``chunks`` of the stores ``opened`` (one job's, or stores of the same tokens) as their jobs mark them
+    done in every store: (the chunks newly done, whether they are the last), each chunk once, until every
+    store says complete; looks every ``poll`` seconds (a listing of ``done`` and a read of the status, the
+    status first: a store says complete only once every chunk is done, so the listing after it has them all).
+    Each store's checked reads take the new chunks as done (their lost objects, their digests)."""
+    waiting = set(chunks)
+    while waiting:
+        complete = all(f.store.attrs.get("status") == "complete" for f in opened)
+        done = set.intersection(*(f.store.integrity.stored_chunks("done", waiting) for f in opened))
+        if done:
+            new = sorted(done)
+            for features in opened:
+                features._reads.follow(new)
+            waiting -= done
+            yield new, not waiting
+        elif complete:
+            raise ExtractError(
+                f"{opened[0].path} says complete, but chunks {sorted(waiting)[:5]} are not done: run "
+                f"`python -m extract.verify {opened[0].path} --repair`, then the job's command again"
+            )
+        else:
+            time.sleep(poll)
 
 
 def open_features(path: str | os.PathLike[str] | Location, *, allow_partial: bool = False) -> Features:

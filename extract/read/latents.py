@@ -76,10 +76,16 @@ class LatentCodes:
         chunks = list(range(start // size, -(-stop // size))) if stop > start else []
         reads = self.features._reads
         indices = reads.checked(
-            self.indices.path, f"SAE codes '{self.indices.path}'", chunks, lambda: self.indices[start:stop]
+            self.indices.path,
+            f"SAE codes '{self.indices.path}'",
+            chunks,
+            lambda: reads.placed(self.indices.path, self.indices)[start:stop],
         )
         values = reads.checked(
-            self.values.path, f"SAE codes '{self.values.path}'", chunks, lambda: self.values[start:stop]
+            self.values.path,
+            f"SAE codes '{self.values.path}'",
+            chunks,
+            lambda: reads.placed(self.values.path, self.values)[start:stop],
         )
         return np.asarray(indices), np.asarray(values)
 

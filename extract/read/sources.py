@@ -200,6 +200,6 @@ def _object_digests(store: Features, names: list[str], num_chunks: int) -> np.nd
 
 
 def _chunk_of(store: Features, name: str, chunk: int, start: int, stop: int) -> np.ndarray:
-    array = store.store.array(name)
+    array = store._reads.placed(name, store.store.array(name))
     read: Callable[[], np.ndarray] = lambda: np.asarray(array[start:stop])  # noqa: E731
     return store._reads.checked(name, name.replace("_", " "), [chunk], read)

@@ -59,7 +59,8 @@ class TextView:
         rows = range(array.shape[0])[picked]
         first, last = sorted((rows[0], rows[-1])) if rows else (0, -1)
         touched = range(first // features.chunk_size, last // features.chunk_size + 1)
-        return self.reads.checked("token_ids", "token ids", touched, lambda: np.asarray(array[picked]))
+        placed = self.reads.placed("token_ids", array)
+        return self.reads.checked("token_ids", "token ids", touched, lambda: np.asarray(placed[picked]))
 
     @cached_property
     def special(self) -> np.ndarray:
@@ -141,7 +142,7 @@ class TextView:
         self._has_token_rows(name)
         if features.kind is not Kind.TOKENS:  # a document store written before they were left out
             return self.reads.whole(name)
-        array = features.store.array(name)
+        array = self.reads.placed(name, features.store.array(name))
         return self.reads.checked(name, what, range(features.num_chunks), lambda: np.asarray(array[:]))
 
     def _has_token_rows(self, name: str) -> None:
