@@ -83,17 +83,37 @@ def _vision_only(model_type: Any) -> bool:
     return model_type in IMAGE_PROCESSOR_MAPPING_NAMES and model_type not in TOKENIZER_MAPPING_NAMES
 
 
+def _unreadable_config(name: str, path: Path, error: BaseException) -> ExtractError:
+    """``config.json`` that is not a JSON object, in one line naming it (neither kind can load it)."""
+    if isinstance(error, json.JSONDecodeError):
+        why = f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+    elif isinstance(error, UnicodeDecodeError):
+        why = f"not UTF-8 text (byte {error.start})"
+    elif isinstance(error, OSError):
+        why = f"unreadable ({error.strerror or error})"
+    else:
+        why = str(error)
+    return ExtractError(
+        f"--model hf:{name}: its config.json ({path}) is {why}; write it again with save_pretrained "
+        "(or download the model again)"
+    )
+
+
 def is_text_model(name: str, hub_offline: bool) -> bool:
     """Whether ``hf:name`` is a text model (the rule is in the module docstring); a text config
     without a tokenizer is refused here, since neither kind could use it."""
     config_file = model_file(name, "config.json", hub_offline)
     if config_file is None:
         return False
+    # An unreadable config is said here: taken for "not text", it sent a text model down the vision
+    # way, which then asked for a preprocessor_config.json it never needed.
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False  # the vision loaders name the unreadable file
-    if not isinstance(config, dict) or _vision_only(config.get("model_type")):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _unreadable_config(name, config_file, e) from None
+    if not isinstance(config, dict):
+        raise _unreadable_config(name, config_file, ValueError(f"a JSON {type(config).__name__}, not an object"))
+    if _vision_only(config.get("model_type")):
         return False
     if model_file(name, "preprocessor_config.json", hub_offline) is not None:
         return False

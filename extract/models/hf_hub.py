@@ -8,6 +8,7 @@ transformers and huggingface_hub are imported only when a model is built."""
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,50 @@ def _load_directory(what: str, name: str, load: Any, parts: str = IMAGE_PARTS) -
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ExtractError(f"--model hf:{name}: cannot load {what} from it ({e.__class__.__name__}: {first})") from None
+    except Exception as e:
+        if not _unreadable_weights(e):
+            raise
+        raise _damaged_weights(name, e) from None
+
+
+def _unreadable_weights(error: BaseException) -> bool:
+    """Whether ``error`` is a weights file that cannot be read: safetensors' header check, or
+    ``torch.load`` on a ``.bin`` that is not a whole checkpoint (cut short, or not one at all)."""
+    if type(error).__module__.startswith("safetensors"):  # SafetensorError, from its Rust extension
+        return True
+    return isinstance(error, pickle.UnpicklingError) or (
+        isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error)
+    )
+
+
+def _damaged_weights(name: str, error: BaseException) -> ExtractError:
+    """One line naming the weights file that cannot be read. transformers' own exceptions say neither
+    which file (a sharded model has many) nor the fix, and torch's suggests ``weights_only=False``,
+    which would not help a file cut short and would run whatever a damaged pickle holds."""
+    files = sorted(p.name for p in Path(name).iterdir() if p.suffix in (".safetensors", ".bin"))
+    culprit = next(
+        (file for file in files if file.endswith(".safetensors") and not _safetensors_readable(Path(name, file))), None
+    )
+    where = culprit or " or ".join(files) or "its weights file"
+    first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, pickle.UnpicklingError):  # torch's text is advice to load unsafely, not the cause
+        first = "not a checkpoint torch.load can read"
+    return ExtractError(
+        f"--model hf:{name}: {where} cannot be read ({error.__class__.__name__}: {first}): it is truncated or "
+        "damaged; write the model there again with save_pretrained (or download it again)"
+    )
+
+
+def _safetensors_readable(path: Path) -> bool:
+    """Whether safetensors opens ``path``: it checks the header and that the tensors cover the file
+    exactly, reading no tensor, so a file cut short or of random bytes fails here at once."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except Exception:  # noqa: BLE001 - any failure is the answer: not readable
+        return False
 
 
 def _is_repo_id(name: str) -> bool:
