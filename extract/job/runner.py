@@ -209,7 +209,7 @@ def _prepare(spec: JobSpec, state: PartialState, mesh: Mesh, existing: Mapping[s
     data = _data(spec, state, existing)
     loaded, precision = _load_model(spec, state.device, mesh)
     # a wrong name (or an alias this model has no tensor for): refused before the forward
-    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases)
+    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases, loaded.alias_failure)
     check_moe_layers(loaded.model, refs)  # an expert's own output has no row per token
     # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns

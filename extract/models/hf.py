@@ -163,5 +163,7 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
     preprocess = ProcessorTransform(processor)
     size = tuple(preprocess(Image.new("RGB", (256, 256), (128, 128, 128))).shape[1:])
     loaded = LoadedModel(model, preprocess, size, description + tower, input_name="pixel_values")  # type: ignore[arg-type]
-    loaded.aliases = hidden_state_aliases(model, loaded.example(1))
+    failures: list[str] = []
+    loaded.aliases = hidden_state_aliases(model, loaded.example(1), failures=failures)
+    loaded.alias_failure = failures[0] if failures else None
     return loaded

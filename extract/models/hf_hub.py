@@ -18,6 +18,7 @@ from torch import nn
 
 from ..capture import Capture
 from ..capture.lens import lens_aliases
+from ..capture.setup import model_failed
 from ..errors import ExtractError
 from ..names.layers import LayerRef
 from .base import download_failed
@@ -179,17 +180,22 @@ def _pixels(module: Callable[..., Any], pixels: torch.Tensor) -> Any:
 
 
 def hidden_state_aliases(
-    model: nn.Module, example: Any, call: Callable[[Callable[..., Any], Any], Any] = _pixels
+    model: nn.Module,
+    example: Any,
+    call: Callable[[Callable[..., Any], Any], Any] = _pixels,
+    failures: list[str] | None = None,
 ) -> dict[str, LayerRef]:
     """``hidden_states.N`` -> the module whose output is that hidden state, found by identity (or
     the same memory, see ``_same_tensor``) in one forward of ``example`` with
     ``output_hidden_states=True``; ``call(module, example)`` runs a module the way the source does
     (``pixel_values=`` for vision, ``**inputs`` for text). When several modules return it, the
-    outermost (it finishes last), so that a change it makes after its children return is captured too."""
+    outermost (it finishes last), so that a change it makes after its children return is captured too.
+    Where the forward fails, there are none, and the model's error in one line is added to ``failures``."""
     try:
         with Capture(model, retain="reference") as cap, torch.inference_mode():
             result = call(functools.partial(model, output_hidden_states=True), example)
-    except Exception:  # noqa: BLE001 - a model without hidden states just has no aliases
+    except Exception as e:  # noqa: BLE001 - a model without hidden states just has no aliases
+        _failed(failures, example, e)
         return {}
     fired = cap.seen
     aliases = {}
@@ -207,11 +213,15 @@ def hidden_state_aliases(
 
 
 def transformer_lens_aliases(
-    model: nn.Module, config: Any, example: Any, call: Callable[[Callable[..., Any], Any], Any]
+    model: nn.Module,
+    config: Any,
+    example: Any,
+    call: Callable[[Callable[..., Any], Any], Any],
+    failures: list[str] | None = None,
 ) -> tuple[dict[str, LayerRef], dict[str, str]]:
     """TransformerLens's hook names of a causal LM -> the tensors they are, and the names it has no
     tensor for -> why (``extract.capture.lens.lens_aliases``), decided by one forward of ``example``
-    under ``Capture``; none where that forward fails (as ``hidden_state_aliases``)."""
+    under ``Capture``; none where that forward fails (added to ``failures`` as ``hidden_state_aliases``)."""
 
     def shapes_of(refs: list[LayerRef]) -> dict[str, list[Any]]:
         with Capture(model, refs, retain="shape") as cap, torch.inference_mode():
@@ -220,5 +230,13 @@ def transformer_lens_aliases(
 
     try:
         return lens_aliases(model, config, shapes_of)
-    except Exception:  # noqa: BLE001 - a model that cannot run here just has no such names
+    except Exception as e:  # noqa: BLE001 - a model that cannot run here just has no such names
+        _failed(failures, example, e)
         return {}, {}
+
+
+def _failed(failures: list[str] | None, example: Any, error: BaseException) -> None:
+    """Keep the model's own error for the names its forward would have found: asked for, such a name
+    is refused with it (``resolve_layers``), not as a module the model lacks."""
+    if failures is not None and not failures:
+        failures.append(str(model_failed(example, error)))

@@ -575,7 +575,9 @@ def build(name: str, request: ModelRequest) -> TextModel:
         model, None, (1, 1), description, input_name="input_ids", tokenizer=tokenizer,  # type: ignore[arg-type]
         max_positions=max_positions(config), sentence=sentence, sentence_missing=looked,
     )  # fmt: skip
-    loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call)
-    lens, loaded.absent_aliases = transformer_lens_aliases(model, config, loaded.example(1), loaded.call)
+    failures: list[str] = []
+    loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call, failures)
+    lens, loaded.absent_aliases = transformer_lens_aliases(model, config, loaded.example(1), loaded.call, failures)
+    loaded.alias_failure = failures[0] if failures else None
     loaded.aliases.update(lens)
     return loaded
