@@ -74,6 +74,7 @@ class Summary:
     invalid: int = 0
     kind: Kind = Kind.IMAGES  # what a row is
     truncation: dict[str, int] | None = None  # text: documents truncated and tokens dropped, when tokenized now
+    compressor: str = "none"  # the store's (--compressor, or its kind's default)
 
     @property
     def rows_per_second(self) -> float:
@@ -87,6 +88,8 @@ class Summary:
 
     @property
     def compression_ratio(self) -> float:
+        """The features' bytes in memory over their bytes stored: the compressor's gain, less what it costs
+        to store the metadata and the last chunk whole (zarr writes its padding too)."""
         return self.raw_bytes / self.bytes_stored if self.bytes_stored else 0.0
 
     def record(self) -> dict[str, Any]:
@@ -99,6 +102,7 @@ class Summary:
             "images_per_second": round(self.rows_per_second, 2),  # the same rate, kept for older readers
             "bytes_stored": self.bytes_stored,
             "compression_ratio": round(self.compression_ratio, 3),
+            "compressor": self.compressor,
             "invalid_samples": self.invalid,
             **({"truncation": self.truncation} if self.truncation is not None else {}),
         }
@@ -110,8 +114,15 @@ class Summary:
         return (
             f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.rows_per_second:.1f} {unit}/s); "
             f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
-            f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
+            f"{self.bytes_stored / 2**20:.1f} MiB stored{self._compression()}{skipped}"
         )
+
+    def _compression(self) -> str:
+        """What the compressor gained, said as what it measures; nothing without a compressor, where the
+        ratio (below 1: the padded last chunk and the metadata) was read as a compression that made it worse."""
+        if self.compressor == "none" or not self.bytes_stored:
+            return ", uncompressed" if self.compressor == "none" else ""
+        return f" with {self.compressor}, {self.compression_ratio:.2f}x less than the features' size in memory"
 
 
 def _autocast(device: torch.device, precision: str) -> Any:
@@ -535,4 +546,5 @@ def _extract(
         invalid=int((~store.array("valid")[:]).sum()) if main else 0,
         kind=job.kind,
         truncation=None if job.text is None else job.text.truncation(),
+        compressor=job.spec.compressor or "none",
     )
