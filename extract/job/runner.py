@@ -37,7 +37,7 @@ from ..data import (
 from ..data.gpu_decode import GpuDecoder
 from ..data.text import TextSource
 from ..errors import ExtractError
-from ..models import LoadedModel, build_model, library_versions
+from ..models import LoadedModel, build_model, check_tensor_parallel, library_versions
 from ..models.hf_text import input_device
 from ..names import Kind
 from ..names.layers import LayerRef
@@ -406,6 +406,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     spec.validate()
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
         watch_launcher()
+        if (spec.tensor_parallel or 1) > 1:  # from the config alone: the first line of every rank, in seconds
+            check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, spec.tensor_parallel)
         state = process_state(spec.timeout)
         mesh = job_mesh(state, spec.tensor_parallel)  # a --tensor-parallel that does not fit: before the lock
         if state.device.type == "cpu":  # before the model and data allocate anything

@@ -130,6 +130,23 @@ def is_text_model(name: str, hub_offline: bool) -> bool:
     )
 
 
+def check_tensor_parallel(name: str, weights: str, checkpoint: str | None, size: int) -> bool:
+    """Whether ``hf:name`` is a text model (``--tensor-parallel`` applies to none other), refusing a
+    ``--tensor-parallel size`` its config cannot take (``hf_text.check_tensor_parallel``); the config is
+    all that is read."""
+    from transformers import AutoConfig
+
+    from .base import ModelRequest, hub_offline
+
+    offline = hub_offline()
+    if not is_text_model(name, offline):
+        return False
+    config = load_pretrained("the config", name, AutoConfig.from_pretrained, offline, hf_text.TEXT_PARTS)
+    request = ModelRequest(weights, checkpoint, 0, None, checkpoint is None, hub_offline=offline)
+    hf_text.check_tensor_parallel(name, config, request, size)
+    return True
+
+
 def _vision_tower(model: nn.Module) -> tuple[nn.Module, str]:
     """Vision-language models (CLIP, SigLIP) also want text; their image tower takes pixels alone."""
     parameters = inspect.signature(model.forward).parameters
