@@ -46,6 +46,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from extract.store import object_lock, remote  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
+from helpers import patience  # noqa: E402
 from helpers.cli import FAST_LOCK, SEEDED, TINY_JOB, one_line_error  # noqa: E402
 from helpers.faultproxy import FaultProxy  # noqa: E402
 from helpers.forked import (  # noqa: E402
@@ -237,10 +238,8 @@ WRITE_TIMEOUT = 5.0
 
 
 def _until(reached, what: str, within: float = 120) -> None:
-    deadline = time.time() + within
-    while not reached():
-        assert time.time() < deadline, f"{what}: not within {within} s"
-        time.sleep(0.02)
+    """Poll ``reached()`` while this process's forked jobs make progress (``within``: a quiet machine's time)."""
+    patience.until(reached, what, lambda: patience.children_of(os.getpid()), quiet=within)
 
 
 def _lock(store: str) -> dict:
