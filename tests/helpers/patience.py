@@ -129,3 +129,18 @@ def _kill(process: subprocess.Popen) -> None:
             process.kill()
     except ProcessLookupError:
         pass
+
+
+def while_running(reached: Callable[[], bool], what: str, process: subprocess.Popen, *, quiet: float,
+                  pause: float = 0.02) -> None:  # fmt: skip
+    """Poll ``reached()`` while ``process`` runs and makes progress; it ending first fails, with its stderr."""
+
+    def done() -> bool:
+        if reached():
+            return True
+        if process.poll() is not None:
+            output = process.stderr.read()[-3000:] if process.stderr else ""
+            raise AssertionError(f"{what}: the process ended first (status {process.returncode}): {output}")
+        return False
+
+    until(done, what, [process.pid], quiet=quiet, pause=pause)

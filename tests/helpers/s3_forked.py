@@ -264,7 +264,7 @@ def paused(prefix: str) -> None:
         try:
             _until(lambda: _done(store) >= 3, "A's first chunks")
             proxy.hold(lambda method, path: method == "GET" and path.split("?")[0].endswith(f"/{store}/zarr.json"))
-            assert proxy.held.wait(60), "A read no root metadata"
+            assert proxy.held.wait(patience.ceiling(60)), "A read no root metadata"
             os.kill(a, signal.SIGSTOP)  # with the fence's read in flight
             paused_at = time.time()
             _until(lambda: time.time() - _lock(store).get("time", time.time()) > 1.1, "A's lock going stale")
