@@ -66,6 +66,25 @@ def test_a_damaged_weights_file_is_one_line_naming_it(cli, corpus, tmp_path, dam
     _nothing_but(tmp_path, "model")
 
 
+def test_a_damaged_weights_file_in_the_hugging_face_cache_is_one_line(corpus, tmp_path):
+    """The same for a hub id read from the cache (a download cut short): the fix is to remove it there."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = shutil.copytree(corpus / "gpt2", repo / "snapshots" / revision)
+    weights = snapshot / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    finished = run_cli("--model", "hf:acme/tiny", "--layers", "transformer.h.1", "--data",
+                       f"text:{corpus / 'docs.jsonl'}", "--out", tmp_path / "out.zarr",
+                       env={"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert finished.returncode == 2, finished.stderr[-3000:]
+    line = one_line_error(finished.stderr)
+    assert "its weights in the Hugging Face cache cannot be read (SafetensorError" in line, line
+    assert "hf cache rm model/acme/tiny" in line, line
+    _nothing_but(tmp_path, "hub")
+
+
 @pytest.mark.parametrize("content", [b'{"model_type": "gpt2", ', b"\xff\xfe{}", b"[1, 2]"])
 def test_a_corrupt_config_json_of_a_text_model_is_named(cli, corpus, tmp_path, content):
     """It was read as "not a text model", so the vision loaders asked for a preprocessor_config.json."""

@@ -77,10 +77,30 @@ def load_pretrained(what: str, name: str, load: Any, hub_offline: bool, parts: s
     except OSError as e:
         if hub_offline:
             raise _not_found(what, name, e, parts) from None
+    except Exception as e:
+        if not _unreadable_weights(e):
+            raise
+        raise _damaged_in_cache(name, e) from None
     try:
         return load(name)
     except (OSError, ValueError) as e:
         raise _not_found(what, name, e, parts) from None
+    except Exception as e:
+        if not _unreadable_weights(e):
+            raise
+        raise _damaged_in_cache(name, e) from None
+
+
+def _damaged_in_cache(name: str, error: BaseException) -> ExtractError:
+    """A weights file of a hub model, in the Hugging Face cache, that cannot be read (a download cut short)."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, pickle.UnpicklingError):
+        first = "not a checkpoint torch.load can read"
+    return ExtractError(
+        f"--model hf:{name}: its weights in the Hugging Face cache cannot be read ({error.__class__.__name__}: "
+        f"{first}): the download was cut short or damaged; remove it from the cache (hf cache rm model/{name}) "
+        "and run again"
+    )
 
 
 def _load_directory(what: str, name: str, load: Any, parts: str = IMAGE_PARTS) -> Any:
