@@ -406,10 +406,13 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     spec.validate()
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
         watch_launcher()
-        if (spec.tensor_parallel or 1) > 1:  # from the config alone: the first line of every rank, in seconds
-            check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, spec.tensor_parallel)
         state = process_state(spec.timeout)
         mesh = job_mesh(state, spec.tensor_parallel)  # a --tensor-parallel that does not fit: before the lock
+        if mesh.tensor_parallel > 1:
+            # what the model's name and config refuse: before the data, the tokenizer and any other output.
+            # Not before the process group: the ranks meet there, so none exits (and has the launcher stop
+            # rank 0, which prints the line) before rank 0 has said it.
+            check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, mesh.tensor_parallel)
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
