@@ -409,10 +409,7 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         state = process_state(spec.timeout)
         mesh = job_mesh(state, spec.tensor_parallel)  # a --tensor-parallel that does not fit: before the lock
         if mesh.tensor_parallel > 1:
-            # what the model's name and config refuse: before the data, the tokenizer and any other output.
-            # Not before the process group: the ranks meet there, so none exits (and has the launcher stop
-            # rank 0, which prints the line) before rank 0 has said it.
-            check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, mesh.tensor_parallel)
+            _check_tensor_parallel(spec, state, mesh)
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
@@ -428,6 +425,20 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     if state.is_main_process:
         log(summary.line())
     return summary
+
+
+def _check_tensor_parallel(spec: JobSpec, state: PartialState, mesh: Mesh) -> None:
+    """What the model's name and config refuse under ``--tensor-parallel``, said before the data, the
+    tokenizer and any other output. Every rank decides alike, then they meet: a rank that exited first
+    had the launcher stop rank 0 (SIGTERM) before it printed the line, which then read "interrupted"."""
+    refusal = None
+    try:
+        check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, mesh.tensor_parallel)
+    except ExtractError as e:
+        refusal = e
+    state.wait_for_everyone()
+    if refusal is not None:
+        raise refusal
 
 
 def _already_complete(job: _Job, log: Log) -> Summary:
