@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import zarr
-from helpers import ROOT
+from helpers import ROOT, patience
 from helpers.cli import chunks as chunks_text
 from helpers.cli import run_cli
 from helpers.data_files import write_shards
@@ -81,15 +80,12 @@ def two_ranks(tmp_path_factory, many_shards):
     killed = folder / "killed.zarr"
     sequence = Sequence(2, {**jobs, "killed": [*killed_args(many_shards), "--out", killed]}, folder)
     job = sequence.start()
-    deadline = time.time() + 300
-    while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6):
-        assert job.poll() is None, f"the launch ended before its last job could be killed: {job.stderr.read()[-3000:]}"
-        assert time.time() < deadline, "the last job did not get going"
-        time.sleep(0.02)
+    patience.while_running(lambda: (killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= 6,
+                           "the launch's last job getting going", job, quiet=300)  # fmt: skip
     ranks = rank_pids(job.pid, program=b"job_sequence.py")
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
-    job.communicate(timeout=120)
+    patience.communicate(job, quiet=120)
     group = zarr.open_group(killed, mode="r")
     kill = {"returncode": job.returncode, "status": group.attrs["status"], "finished": int(group["done"][:].sum())}
     return sequence, kill
@@ -159,7 +155,7 @@ def test_two_machines_on_loopback(cli, tmp_path):
         machines.append(
             subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
-    outputs = [m.communicate(timeout=300) for m in machines]
+    outputs = [patience.communicate(m, quiet=300) for m in machines]
     assert [m.returncode for m in machines] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
     assert_same_features(out, expected)
     run = zarr.open_group(out, mode="r").attrs["runs"][-1]

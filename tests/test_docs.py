@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 
 import yaml
-from helpers import ROOT
+from helpers import ROOT, patience
 
 DOCS = ROOT / "docs"
 
@@ -23,8 +22,8 @@ def test_mkdocs_build_strict_has_no_warnings(tmp_path):
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
     config["docs_dir"], config["site_dir"] = str(tmp_path / "docs"), str(tmp_path / "site")
     (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    build = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(tmp_path / "mkdocs.yml")],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    build = patience.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(tmp_path / "mkdocs.yml")],
+                         capture_output=True, text=True, quiet=300)  # fmt: skip
     log = build.stdout + build.stderr
     assert build.returncode == 0 and "WARNING" not in log, log
     pages = {p.relative_to(tmp_path / "site").as_posix() for p in (tmp_path / "site").rglob("index.html")}

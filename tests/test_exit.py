@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, patience
 from helpers.cli import RESNET_LAYER3, SMALL, one_line_error
 
 # The disk fills at chunk 2; and each DataLoader worker holds a thread that never ends, as a decoding
@@ -40,18 +40,13 @@ sys.exit(main(sys.argv[1:]))
 
 
 def run_python(code: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -c CODE ARGS`` in its own session; on a timeout, its whole group is killed (workers too)."""
+    """``python -c CODE ARGS`` in its own session; once it stalls, its whole group is killed (workers too)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     job = subprocess.Popen(
         [sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
-    try:
-        out, err = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        out, err = job.communicate()
-        pytest.fail(f"still running after {timeout} s (hung at exit?); stderr:\n{err[-3000:]}")
+    out, err = patience.communicate(job, quiet=timeout, what="the job (hung at exit?)")
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
@@ -117,7 +112,7 @@ def test_ctrl_c_during_the_imports_is_one_line_and_130(library):
         while job.poll() is None and not _has_loaded(job.pid, library):
             time.sleep(0.002)
         job.send_signal(signal.SIGINT)
-        _, err = job.communicate(timeout=120)
+        _, err = patience.communicate(job, quiet=120)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import patience
 
 from extract.errors import LockLostError, StoreBusyError
 from extract.store.held_lock import HEARTBEAT, STALE_AFTER, process_namespace
@@ -55,14 +56,14 @@ class FakeClock:
         """Return once the heartbeat of ``lock``, just claimed, sleeps on this clock."""
         thread = lock._thread  # type: ignore[attr-defined]
         with self._changed:
-            assert self._changed.wait_for(lambda: thread in self._until, timeout=10), "no heartbeat"
+            assert self._changed.wait_for(lambda: thread in self._until, timeout=patience.ceiling(10)), "no heartbeat"
 
     def advance(self, seconds: float) -> None:
         with self._changed:
             self.now += seconds
             woken = {t: self._naps[t] for t, until in self._until.items() if until <= self.now}
             self._changed.notify_all()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + patience.ceiling(10)  # a thread's turn comes late on a busy machine
             while not all(self._naps[t] > naps or not t.is_alive() for t, naps in woken.items()):
                 assert time.monotonic() < deadline, "a heartbeat did not come back"
                 self._changed.wait(0.01)  # a heartbeat that stops (a lost lock) ends without telling us

@@ -4,7 +4,6 @@ errors. Everything is built offline with random or self-made weights."""
 
 import logging
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, patience
 from helpers.cli import run_cli
 from helpers.launches import Sequence
 from PIL import Image
@@ -406,7 +405,7 @@ def test_declaring_the_sources_imports_no_optional_library():
         "import sys, extract.models.registry, extract.data.registry, extract.cli.extract; "
         "print(sorted({'timm', 'transformers', 'open_clip', 'pyarrow', 'datasets'} & set(sys.modules)))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = patience.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, quiet=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import patience
 from helpers.cli import one_line_error
 from helpers.launches import Sequence
 from helpers.stores import assert_same_bytes
@@ -59,7 +60,7 @@ def runs(models, tmp_path_factory):
     launched = second.start()  # the two launches share the machine: one waits on its subprocess anyway
     finished = first.run(timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    _, err = launched.communicate(timeout=600)
+    _, err = patience.communicate(launched, quiet=600)
     assert launched.returncode == 0, err[-3000:]
     return {"one": first, "two": second}
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import patience
 from zarr.buffer import default_buffer_prototype
 
 from extract.capture.staging import HostStaging
@@ -85,10 +86,10 @@ def test_staging_reuses_slots_and_blocks_when_all_are_in_use():
 
     waiter = threading.Thread(target=lambda: got.append(staging.acquire(check)))
     waiter.start()
-    assert found_empty.wait(timeout=10)
+    assert found_empty.wait(timeout=patience.ceiling(10))
     assert got == [], "a full pool must make the loop wait (backpressure)"
     staging.release(first)
-    waiter.join(timeout=5)
+    waiter.join(timeout=patience.ceiling(5))
     assert got and got[0].buffers["a"].data_ptr() in pointers  # reused, not reallocated
 
 

@@ -19,7 +19,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, patience
 from helpers.text_models import bert_tokenizer, gpt2_tokenizer, real_documents, save_text_model, write_jsonl
 
 README = ROOT / "README.md"
@@ -195,7 +195,6 @@ def test_the_readme_launch_commands_run(tmp_path):
     small: under ``accelerate launch --cpu`` (one process) and ``--multi_gpu --num_processes 2`` (two
     ranks on gloo), each store complete and equal, array for array, to the one a plain ``python -m extract``
     of the same flags writes."""
-    import subprocess
     import sys
 
     import numpy as np
@@ -211,9 +210,9 @@ def test_the_readme_launch_commands_run(tmp_path):
         out = args[args.index("--out") + 1]
         launch = [sys.executable, "-m", "accelerate.commands.launch", *options, "--num_machines", "1",
                   "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]  # fmt: skip
-        done = subprocess.run(
+        done = patience.run(
             [*launch, "-m", "extract", *args], cwd=tmp_path, env=environment(), capture_output=True, text=True,
-            timeout=600,
+            quiet=600,
         )  # fmt: skip
         assert done.returncode == 0, f"README command failed: {shlex.join(words)}\n{done.stderr[-3000:]}"
         alone = [*args[: args.index("--out") + 1], "alone-" + out, *args[args.index("--out") + 2 :]]

@@ -3,6 +3,7 @@ signals. Most runs are forked from this process (torch is imported once), so a S
 of a second; the multi-process ones use ``accelerate launch``."""
 
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, patience
 from helpers.cli import FAST_LOCK, SEEDED, TINY_JOB, one_line_error
 from helpers.forked import (
     EXIT_TIMEOUT,
@@ -203,15 +204,14 @@ def test_launcher_death_stops_the_ranks_and_a_rerun_completes(tmp_path):
     args = [*PACED, "--data", "synthetic:640", "--chunk-size", "16", "--batch-size", "16"]
     out = tmp_path / "orphan.zarr"
     job = _launch(2, args, out, pace=0.1)
-    deadline = time.time() + 120
-    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()
-        time.sleep(0.02)
+    patience.while_running(
+        lambda: (out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2, "2 chunks", job, quiet=120
+    )
     ranks = _ranks(job.pid)
     assert len(ranks) == 2
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
-    assert _gone(ranks, 10), "orphaned ranks must stop"
+    assert _gone(ranks, patience.ceiling(10)), "orphaned ranks must stop"
     group = zarr.open_group(out, mode="r")
     assert group.attrs["status"] == "running" and group["done"][:].sum() < 40  # 20 batches a rank: it stopped early
     assert not lock_path(out).exists()
@@ -239,12 +239,11 @@ def test_sigterm_to_the_launcher_with_workers_stops_cleanly_with_one_line(tmp_pa
     it to their rank, every rank stops after its batch, and one line gives the job's count."""
     out = tmp_path / "launcher.zarr"
     job = _launch(2, [*LONGER, "--num-workers", "1"], out)
-    deadline = time.time() + 120
-    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()
-        time.sleep(0.02)
+    patience.while_running(
+        lambda: (out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2, "2 chunks", job, quiet=120
+    )
     job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=60)
+    _, err = patience.communicate(job, quiet=60)
     assert job.returncode == 143, err[-3000:]
     assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("extract: interrupted by SIGTERM")]
@@ -272,17 +271,14 @@ def test_kill_storm_two_processes(tmp_path):
     for trial, reached in enumerate(points.values()):
         out = tmp_path / f"storm2-{trial}.zarr"
         job = _launch(2, args, out, pace=0.1)
-        deadline = time.time() + 120
-        while not reached(out):
-            assert job.poll() is None and time.time() < deadline, job.stderr.read()
-            time.sleep(0.005)
+        patience.while_running(functools.partial(reached, out), "the point to kill at", job, quiet=120, pause=0.005)
         ranks = _ranks(job.pid)
         os.killpg(job.pid, signal.SIGKILL)
         for pid in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         job.wait()
-        assert _gone(ranks, 10)
+        assert _gone(ranks, patience.ceiling(10))
         group = zarr.open_group(out, mode="r")
         assert group.attrs["status"] == "running" and group["done"][:].sum() < 24  # it landed in the run
         rerun = fork_start([*args, "--out", out], stderr=tmp_path / f"rerun-{trial}.err")
@@ -477,10 +473,10 @@ def test_verify_of_a_store_being_written_is_refused_naming_the_job(tmp_path):
     link.symlink_to(out)
     job = fork_start([*args, "--out", out], lambda: os.environ.update(TINY_PACE="0.1"), stderr=tmp_path / "err")
     try:
-        deadline = time.time() + EXIT_TIMEOUT
-        while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
-            assert time.time() < deadline, (tmp_path / "err").read_text()
-            time.sleep(0.02)
+        patience.until(
+            lambda: (out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2,
+            "2 chunks", [job], quiet=EXIT_TIMEOUT, detail=lambda: (tmp_path / "err").read_text(),
+        )  # fmt: skip
         for store, flags in [(out, []), (link, []), (out, ["--repair"])]:
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 assert verify_main([str(store), *flags]) == 2
@@ -562,7 +558,7 @@ def test_a_job_in_another_pid_namespace_does_not_take_a_live_holders_lock(tmp_pa
     factory, building, release = tmp_path / "held.py", tmp_path / "building", tmp_path / "release"
     factory.write_text(
         f"import pathlib, time, torch\ndef net():\n    pathlib.Path({str(building)!r}).touch()\n"
-        f"    deadline = time.time() + 120\n    while not pathlib.Path({str(release)!r}).exists() and time.time() < deadline:\n"
+        f"    deadline = time.time() + 900\n    while not pathlib.Path({str(release)!r}).exists() and time.time() < deadline:\n"
         "        time.sleep(0.02)\n    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))\n"
     )
     out, a_err = tmp_path / "held.zarr", tmp_path / "a.err"
@@ -571,9 +567,9 @@ def test_a_job_in_another_pid_namespace_does_not_take_a_live_holders_lock(tmp_pa
     try:
         _until(building.exists, a, a_err)  # A holds the lock: its factory is running
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        b = subprocess.run(
+        b = patience.run(
             ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "extract", *map(str, TINY_JOB),
-             "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+             "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, quiet=300,
         )  # fmt: skip
         line = one_line_error(b.stderr)
         assert b.returncode == 2 and "being written by another job" in line, b.stderr[-2000:]
@@ -662,12 +658,15 @@ def _lock_pid(out: Path) -> int | None:
 
 
 def _until(reached, pid: int, err: Path, within: float = 120) -> None:
-    """Wait until ``reached()``, with the job ``pid`` still running."""
-    deadline = time.time() + within
-    while not reached():
+    """Wait until ``reached()``, with the job ``pid`` still running (and making progress: ``patience``)."""
+
+    def done() -> bool:
+        if reached():
+            return True
         assert os.waitpid(pid, os.WNOHANG) == (0, 0), err.read_text()[-2000:]
-        assert time.time() < deadline, f"not reached within {within} s"
-        time.sleep(0.01)
+        return False
+
+    patience.until(done, "the point awaited", [pid], quiet=within, pause=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -817,10 +816,10 @@ def test_sigterm_to_the_process_group_with_workers_keeps_chunks_and_records_the_
     out = tmp_path / "group.zarr"
     args = [*LONGER, "--num-workers", "2"]
     job = fork_start([*args, "--out", out], stderr=tmp_path / "err", own_group=True)
-    deadline = time.time() + 120
-    while not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
-        assert time.time() < deadline
-        time.sleep(0.01)
+    patience.until(
+        lambda: (out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2, "2 chunks", [job],
+        quiet=120, pause=0.01,
+    )  # fmt: skip
     os.killpg(job, signal.SIGTERM)  # what SLURM sends: the process and its DataLoader workers
     assert fork_wait(job) == 143
     err = (tmp_path / "err").read_text()

@@ -300,3 +300,54 @@ def test_a_document_store_shows_its_neighbours_as_text_read_from_its_source(tmp_
     assert main([str(store), "--out", str(out), "--queries", "2"]) == 0
     assert "nearest-neighbour documents skipped: --data text:" in out.read_text()
     assert "changed since the extraction" in out.read_text()
+
+
+def _k_matters(path: Path) -> Path:
+    """A store where k changes the k-NN probe's answer: 40 samples of two classes, 8 and 32, all close in
+    cosine (0.97 across the classes, about 1 within), so that 20 voters outweigh a class of 6 training rows."""
+    from helpers.stores import array_store
+
+    rng = np.random.default_rng(0)
+    a, b = np.zeros(16), np.zeros(16)
+    a[0] = b[1] = 0.8
+    x = np.concatenate([1 + a + 0.05 * rng.standard_normal((8, 16)), 1 + b + 0.05 * rng.standard_normal((32, 16))])
+    order = rng.permutation(40)
+    return array_store(path, {"l1": x[order].astype(np.float32)}, np.repeat([0, 1], [8, 32])[order], 8)
+
+
+def test_report_k_defaults_to_probes_and_gives_what_probe_gives(tmp_path, capsys):
+    """The report's k-NN had a fixed k of 20 and no --k: on this store 0.750, where probe --k 5 gives 1.000."""
+    from extract.analysis.options import DEFAULT_K
+    from extract.cli.probe import main as probe_main
+
+    store = _k_matters(tmp_path / "k.zarr")
+    accuracy = {}
+    for k in (None, 5):
+        out = tmp_path / f"report-{k}.html"
+        assert main([str(store), "--out", str(out), *(["--k", str(k)] if k else [])]) == 0
+        shown = k or DEFAULT_K
+        html = out.read_text()
+        assert f"<th>k-NN (k {shown}, T 0.07) [95% interval]</th>" in html
+        accuracy[shown] = re.search(r"<td>l1</td><td>(\d\.\d{3}) ", html).group(1)
+        capsys.readouterr()
+        assert probe_main([str(store), "--method", "knn", *(["--k", str(k)] if k else [])]) == 0
+        assert (
+            f"l1: test accuracy {accuracy[shown]} (k-NN k {shown}, T 0.07; 32 train / 8 test" in capsys.readouterr().out
+        )
+    assert accuracy == {DEFAULT_K: "0.750", 5: "1.000"}
+    assert main([str(store), "--out", str(tmp_path / "r.html"), "--k", "0"]) == 2
+    assert "--k must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_layers", [2, 3, 8, 40])
+def test_the_cka_heatmap_fills_its_canvas(num_layers):
+    """Square cells sized by the figure's height left a few layers' grid in a corner of the page-wide
+    canvas: 41-53% of its pixel columns blank for 2 to 8 layers, and 20% of its rows for 40."""
+    names = [f"model.layers.{i}" for i in range(num_layers)]
+    matrix = np.clip(1 - 0.03 * np.abs(np.subtract.outer(range(num_layers), range(num_layers))), 0, 1)
+    png = figures.cka_heatmap(CKA(names, names, matrix, 100, "rows"))
+    image = np.asarray(Image.open(io.BytesIO(png.data)).convert("L"))
+    assert image.shape == (png.height, png.width) and png.width == figures.PAGE_WIDTH * figures.DPI
+    blank = image > 250
+    columns, rows = blank.all(axis=0).mean(), blank.all(axis=1).mean()  # the fraction wholly blank
+    assert columns < 0.12 and rows < 0.12, (columns, rows)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import ROOT, TINY, tiny_models
+from helpers import ROOT, TINY, patience, tiny_models
 from helpers.cli import SMALL, chunks, one_line_error
 from helpers.data_files import make_png_tree
 from helpers.forked import fork_run, fork_start, fork_wait
@@ -241,14 +241,17 @@ def _running(job) -> bool:
 
 
 def _wait_for_chunks(job, out, count=3, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    """``count`` chunks done, the job still running; ``timeout``: a quiet machine's time (``patience``)."""
+
+    def reached() -> bool:
         done = out / "done" / "c"
         if done.is_dir() and len(os.listdir(done)) >= count:
-            return
+            return True
         assert _running(job), "the job ended before it could be signalled"
-        time.sleep(0.02)
-    raise AssertionError("the job did not get going")
+        return False
+
+    pid = job.pid if isinstance(job, subprocess.Popen) else job
+    patience.until(reached, f"{count} chunks", [pid], quiet=timeout)
 
 
 def _assert_consistent(out):
@@ -287,7 +290,7 @@ def test_preemption_writes_what_is_done_and_a_rerun_completes(cli, tmp_path, how
         returncode, err = fork_wait(job), (tmp_path / "err").read_text()
         assert returncode == 128 + signal.SIGTERM, err[-2000:]
     else:
-        _, err = job.communicate(timeout=60)
+        _, err = patience.communicate(job, quiet=60)
         returncode = job.returncode
     assert returncode != 0
     assert "rerun the same command to resume" in err, err[-2000:]

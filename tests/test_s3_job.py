@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import zarr
-from helpers import HELPERS, ROOT
+from helpers import HELPERS, ROOT, patience
 from helpers.cli import TINY_JOB, one_line_error
 
 from extract import open_features
@@ -134,11 +134,12 @@ def test_a_stale_lock_object_is_taken_over_and_a_fresh_one_refuses(where, cli, m
 
 
 def _forked(s3, what: str, timeout: float = 300) -> str:
-    """``tests/helpers/s3_forked.py WHAT PREFIX`` (an empty PREFIX: the bucket's top)."""
+    """``tests/helpers/s3_forked.py WHAT PREFIX`` (an empty PREFIX: the bucket's top); ``timeout`` is what it
+    takes on a quiet machine, and it runs on while it makes progress (``helpers.patience``)."""
     env = {**os.environ, **s3.server.env(), "S3_BUCKET": s3.server.bucket, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
+    done = patience.run(
         [sys.executable, str(HELPERS / "s3_forked.py"), what, s3.prefix],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env=env, cwd=ROOT, capture_output=True, text=True, quiet=timeout,
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done.stdout

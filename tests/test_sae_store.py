@@ -10,13 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 import zarr
-from helpers import ROOT
+from helpers import ROOT, patience
 from helpers.launches import Sequence, environment
 from helpers.saes import top_k_codes
 from helpers.text_models import real_documents, save_text_model, write_jsonl
@@ -170,9 +169,10 @@ def test_a_killed_run_rerun_gives_the_bytes_of_one(corpus, one, tmp_path):
     args = [*_job(corpus, out, "topk", *RAGGED[:-4], "--tokens-per-batch", "16", "--dtype", "float32")]
     command = [sys.executable, "-m", "extract", *args]
     job = subprocess.Popen(command, cwd=ROOT, env=environment(), stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2):
-        time.sleep(0.05)
+    patience.until(
+        lambda: (out / "done" / "c").is_dir() and len(os.listdir(out / "done" / "c")) >= 2, "2 chunks", [job.pid],
+        quiet=120, pause=0.05,
+    )  # fmt: skip
     job.send_signal(signal.SIGKILL)
     job.wait()
     done = len(os.listdir(out / "done" / "c"))

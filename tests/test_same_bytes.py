@@ -14,12 +14,12 @@ import os
 import random
 import shutil
 import signal
-import time
 import uuid
 
 import numpy as np
 import pytest
 import zarr
+from helpers import patience
 from helpers.launches import Sequence, rank_pids
 from helpers.s3 import s3_server_or_none
 from helpers.stores import assert_same_bytes
@@ -124,12 +124,15 @@ def launched(corpus, tokens, references, tmp_path_factory, request):
     two = Sequence(2, jobs, two_folder, env=server.env() if server else None)
     job = two.start()
     done_at = random.Random().randint(3, 25)  # of about 45 chunks
-    deadline = time.time() + 300
-    while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= done_at):
-        assert job.poll() is None and time.time() < deadline, job.stderr.read()[-3000:]
-        time.sleep(0.01)
+    patience.while_running(
+        lambda: (killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= done_at,
+        f"{done_at} chunks of the job to kill",
+        job,
+        quiet=300,
+        pause=0.01,
+    )
     os.kill(rank_pids(job.pid, program=b"job_sequence.py")[-1], signal.SIGKILL)
-    job.communicate(timeout=120)
+    patience.communicate(job, quiet=120)
     done_before = int(open_features(killed, allow_partial=True).store.done_flags().sum())
     three = Sequence(
         3,

@@ -1,11 +1,10 @@
 """ChunkShuffleSampler across ranks: each rank gets whole chunks of its own, together covering every sample once."""
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
-from helpers import HELPERS, ROOT
+from helpers import HELPERS, ROOT, patience
 from helpers.launches import launcher
 from helpers.stores import array_store
 
@@ -71,7 +70,7 @@ def test_ddp_loop_with_two_processes(tmp_path):
     out = tmp_path / "seen.json"
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     command = [*launcher(2)[:-1], str(HELPERS / "ddp_sampler_script.py"), str(store), str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    result = patience.run(command, capture_output=True, text=True, quiet=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     record = json.loads(out.read_text())
     ranks = sorted(record["ranks"], key=lambda r: r["rank"])

@@ -4,11 +4,10 @@ without importing their modules. Times are in benchmarks/startup.py, never here.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, patience
 
 from extract.cli.startup import COMMANDS
 
@@ -28,7 +27,7 @@ def imported_by_help(argv: list[str]) -> tuple[str, list[str]]:
         "        code = e.code\n"
         f"print(code, sorted(set({HEAVY!r}) & set(sys.modules)), repr(out.getvalue()))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = patience.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, quiet=120)
     assert result.returncode == 0, result.stderr
     status, _, rest = result.stdout.strip().partition(" ")
     loaded, _, printed = rest.partition("] ")
@@ -60,6 +59,6 @@ def test_a_bad_flag_is_refused_without_torch():
         "status = main(['run', '--layers', 'layer4', '--batch-size', 'many'])\n"
         "print(status, 'torch' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = patience.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, quiet=120)
     assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
     assert "--batch-size" in result.stderr and len(result.stderr.strip().splitlines()) == 1

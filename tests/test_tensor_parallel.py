@@ -10,13 +10,13 @@ size; the interpreter's audit hooks list which rank wrote which file."""
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import patience
 from helpers.cli import one_line_error
 from helpers.launches import Sequence, rank_pids
 from helpers.stores import assert_same_bytes
@@ -101,12 +101,15 @@ def launched(corpus, sae, tmp_path_factory):
     four = Sequence(4, jobs, four_folder, env={"EXTRACT_TEST_WRITES": str(four_folder)})
     launch = four.start()
     done_at = random.Random().randint(3, 30)  # of 60 chunks
-    deadline = time.time() + 400
-    while not ((killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= done_at):
-        assert launch.poll() is None and time.time() < deadline, launch.stderr.read()[-3000:]
-        time.sleep(0.01)
+    patience.while_running(
+        lambda: (killed / "done" / "c").is_dir() and len(os.listdir(killed / "done" / "c")) >= done_at,
+        f"{done_at} chunks of the job to kill",
+        launch,
+        quiet=400,
+        pause=0.01,
+    )
     os.kill(rank_pids(launch.pid, program=b"job_sequence.py")[-1], signal.SIGKILL)
-    launch.communicate(timeout=120)
+    patience.communicate(launch, quiet=120)
     done_before = int(zarr.open_group(killed, mode="r")["done"][:].sum())
     termed = two_folder / "termed.zarr"
     two_jobs = {
@@ -117,12 +120,16 @@ def launched(corpus, sae, tmp_path_factory):
     two = Sequence(2, two_jobs, two_folder)
     launch = two.start()
     term_at = random.Random().randint(3, 30)
-    while not ((termed / "done" / "c").is_dir() and len(os.listdir(termed / "done" / "c")) >= term_at):
-        assert launch.poll() is None and time.time() < deadline + 300, launch.stderr.read()[-3000:]
-        time.sleep(0.01)
+    patience.while_running(
+        lambda: (termed / "done" / "c").is_dir() and len(os.listdir(termed / "done" / "c")) >= term_at,
+        f"{term_at} chunks of the job to stop",
+        launch,
+        quiet=300,
+        pause=0.01,
+    )
     # the rank that does not write: the launcher, told by it, stops the group's writer too
     os.kill(_rank(launch.pid, 1), signal.SIGTERM)
-    launch.communicate(timeout=300)
+    patience.communicate(launch, quiet=300)
     again = Sequence(2, {"termed_resumed": job(corpus, termed, *TOKENS)}, tmp_path_factory.mktemp("tp-again"))
     finished = again.run(timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]

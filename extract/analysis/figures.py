@@ -155,9 +155,18 @@ def accuracy_curve(scores: Mapping[str, Mapping[str, Score]], layers: Sequence[s
     return _render(fig, title, caption + ".")
 
 
+HEATMAP_MARGIN = 2.2  # inches of the page's width the heatmap's grid leaves to its axis label and colour bar
+HEATMAP_CELL = (0.3, 0.8)  # inches: the least and the most height of a cell
+
+
 def heatmap_size(num_rows: int, num_cols: int, label_chars: int) -> tuple[float, float]:
+    """The heatmap's size: the page's width, which its grid spans (beside the row labels, axis label and
+    colour bar), and the height of its rows, each as tall as a cell is wide within ``HEATMAP_CELL``.
+    Square cells sized by the height alone left a few layers' grid in a corner of the page-wide canvas,
+    most of it blank; so the cells take the width and are only as square as those bounds allow."""
     label = 0.08 * min(label_chars, 40)  # inches of tick labels
-    cell = 0.5 if max(num_rows, num_cols) <= 12 else 0.3
+    across = (PAGE_WIDTH - HEATMAP_MARGIN - label) / max(num_cols, 1)
+    cell = min(HEATMAP_CELL[1], max(HEATMAP_CELL[0], across))
     return PAGE_WIDTH, 1.6 + label + cell * num_rows
 
 
@@ -177,7 +186,8 @@ def cka_heatmap(cka: CKA, title: str = "Linear CKA between layers") -> Png:
     fig, ax = plt.subplots(figsize=heatmap_size(len(rows), len(cols), chars), layout="constrained")
     low = colour_floor(cka.matrix)
     colours = plt.get_cmap("magma").with_extremes(bad="#d9d9d9")  # NaN: a constant layer
-    image = ax.imshow(np.ma.masked_invalid(cka.matrix), vmin=low, vmax=1, cmap=colours, aspect="equal")
+    # "auto": the grid fills the axes heatmap_size made for it (an equal aspect left most of it blank)
+    image = ax.imshow(np.ma.masked_invalid(cka.matrix), vmin=low, vmax=1, cmap=colours, aspect="auto")
     ax.set_xticks(range(len(cols)), cols, rotation=90)
     ax.set_yticks(range(len(rows)), rows)
     two = cka.row_store != cka.col_store
@@ -189,7 +199,7 @@ def cka_heatmap(cka: CKA, title: str = "Linear CKA between layers") -> Png:
             dark = np.isfinite(value) and (value - low) / (1 - low) < 0.6
             ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
     fig.colorbar(image, ax=ax, label=f"linear CKA (colour scale {low:.2f} to 1.00)", shrink=0.8)
-    fig.suptitle(title)  # constrained layout keeps room for a suptitle above an equal-aspect image
+    fig.suptitle(title)
     caption = (
         "Each cell compares two layers over the same samples: 1 means their features are the same up to a "
         f"rotation and scaling. The colours span {low:.2f} to 1.00"

@@ -79,9 +79,12 @@ class ReportConfig:
     neighbours: int = 6  # shown per query
     seed: int = 0
     device: str | torch.device | None = None  # None: a GPU if there is one
+    k: int = DEFAULT_K  # the k-NN probe's voting neighbours: probe's default, so both commands agree
 
     def __post_init__(self) -> None:
         if min(self.max_samples, self.pca_samples) < 10 or self.queries < 1 or self.neighbours < 1:
             raise ExtractError(
                 "--max-samples and --pca-samples must be at least 10, --queries and --neighbours positive"
             )
+        if self.k < 1:
+            raise ExtractError(f"--k must be positive (the k-NN probe's voting neighbours); got {self.k}")

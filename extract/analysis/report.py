@@ -4,9 +4,9 @@
 
 (``python -m extract.report``, in ``extract.cli.report``, is the command over ``build_report``.)
 
-- probe accuracy per layer in model order (k-NN and linear, on a seeded split of up to
-  ``max_samples`` samples; or read from ``python -m extract.probe --json`` files), with the test
-  set's size and a 95% binomial interval on each point;
+- probe accuracy per layer in model order (k-NN with ``k`` neighbours, probe's default unless given,
+  and linear, on a seeded split of up to ``max_samples`` samples; or read from ``python -m
+  extract.probe --json`` files), with the test set's size and a 95% binomial interval on each point;
 - the linear CKA heatmap between the layers, its colour scale fitted to the values (and stated);
 - a 2-D PCA of one layer (``pca_layer``, default the deepest usable one) coloured by class;
 - for a few query samples, their nearest neighbours as thumbnails with their file names: from the
@@ -168,12 +168,12 @@ def _accuracy_figures(
         train, test = split(labelled, 0.2, config.seed)
         how = f"{len(train)} train / {len(test)} test samples, seed {config.seed}"
         for method in ("knn", "linear"):
-            options = ProbeOptions(method=method, seed=config.seed, device=config.device)
+            options = ProbeOptions(method=method, seed=config.seed, device=config.device, k=config.k)
             lines: list[str] = []
             records = probe_rows(features, train, features, test, layers, options, how=how, log=lines.append)
             if method == "knn":  # the same layers are skipped for both methods: say it once
                 report.notes += [f"probe: {line}" for line in lines if line.partition(": ")[0] not in records]
-            scores[method if method == "linear" else "k-NN (k 20, T 0.07)"] = {
+            scores[method if method == "linear" else f"k-NN (k {options.k}, T {options.temperature:g})"] = {
                 layer: figures.Score(r["test_accuracy"], r["num_test"]) for layer, r in records.items()
             }
         report.notes.append(f"probes on a seeded split of the store: {how}")

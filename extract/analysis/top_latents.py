@@ -158,6 +158,19 @@ def _chosen(codes: LatentCodes, latents: Sequence[int] | None) -> np.ndarray | N
     return chosen
 
 
+def _check_out(out: Path) -> None:
+    """``out`` is a directory, or can be made one: neither it nor a folder above it is a file."""
+    for place in (out, *out.parents):
+        if place.exists():
+            if place.is_dir():
+                return
+            where = f"--out {out}" if place == out else f"--out {out}: {place}"
+            raise ExtractError(
+                f"{where} is a file, not a directory; name a directory for top.parquet, saedashboard.json, "
+                "delphi.json and top.html (it is made if missing)"
+            )
+
+
 def top_latents(
     features: Features,
     layer: str,
@@ -172,13 +185,14 @@ def top_latents(
     ``out`` (see the module's docstring)."""
     if k < 1 or context < 0:
         raise ExtractError(f"k must be positive and context 0 or more; got k={k}, context={context}")
+    out = Path(out)
+    _check_out(out)  # said before the codes are ranked, not as mkdir's traceback after them
     codes = codes_of(features, layer)
     chosen = _chosen(codes, latents)
     decode = load_tokenizer(features, tokenizer).decode
     windows = StoreWindows(features)
     top = tops.top_contexts(codes.chunks(), codes.d_sae, k)
     active = top.active_latents() if chosen is None else chosen[top.counts[chosen] > 0]
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     batches = list(tops.contexts(top, windows, decode, context, latents=active, codes=_codes(codes)))
     written = tops.write_parquet(out / "top.parquet", batches)

@@ -61,11 +61,14 @@ def resolve_layers(
     patterns: list[str],
     aliases: Mapping[str, LayerRef] | None = None,
     absent: Mapping[str, str] | None = None,
+    alias_failure: str | None = None,
 ) -> list[LayerRef]:
     """Expand names and globs against ``model.named_modules()`` and the source's ``aliases``
     (``hidden_states.N``, TransformerLens names), in the model's order (a module's input before its
     output), without duplicates. ``absent`` maps an alias this model has no tensor for to why
-    (``blocks.0.hook_resid_mid`` of a parallel-residual block): asked for, it is that one line."""
+    (``blocks.0.hook_resid_mid`` of a parallel-residual block): asked for, it is that one line.
+    ``alias_failure`` is the model's error where the forward that finds the aliases failed: a name of
+    theirs is refused with it, the real cause, not as a module the model lacks."""
     if not patterns:
         raise ExtractError("no layers given; pass --layers NAME [NAME ...] (see --list-layers)")
     aliases, absent = aliases or {}, absent or {}
@@ -89,6 +92,11 @@ def resolve_layers(
             found = [n for n in names if matches_glob(module_pattern, n)]
         else:
             found = [module_pattern] if module_pattern in names else []
+        if not found and alias_failure is not None and _alias_shaped(pattern):
+            raise ExtractError(
+                f"layer '{pattern}' is found by running the model once, and {alias_failure}; "
+                "the model must run before any layer can be extracted from it"
+            )
         if not found:
             raise LayerNotFoundError(_no_match(pattern, module_pattern, names, list(aliases), suffix))
         if suffix == ROUTER_SUFFIX:  # only an MoE block has a routing: said now, before any forward
@@ -96,12 +104,16 @@ def resolve_layers(
             if not any(n in blocks for n in found):
                 router_name(model, found[0])  # raises: names the module and the model's MoE blocks
             found = [n for n in found if n in blocks]
-        refs.extend(
-            LayerRef(n, selector, input=suffix == INPUT_SUFFIX, router=suffix == ROUTER_SUFFIX) for n in found
-        )
+        refs.extend(LayerRef(n, selector, input=suffix == INPUT_SUFFIX, router=suffix == ROUTER_SUFFIX) for n in found)
     order = {n: i for i, n in enumerate(names)}
     unique = dict.fromkeys(sorted(refs, key=lambda r: (order[r.module], not r.input, r.alias is not None)))
     return list(unique)
+
+
+def _alias_shaped(pattern: str) -> bool:
+    """Whether ``pattern`` is spelt as the aliases a source finds by a forward are (``hidden_states.N``,
+    TransformerLens's ``blocks.N.hook_*``)."""
+    return pattern.startswith("hidden_states") or "hook_" in pattern
 
 
 def _no_match(pattern: str, module_pattern: str, names: list[str], aliases: list[str], suffix: str = "") -> str:

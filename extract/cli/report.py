@@ -1,6 +1,6 @@
 """``python -m extract.report``: one self-contained HTML page about a store (``extract.analysis.report``).
 
-    python -m extract.report STORE [--out report.html] [--layers L ...] [--max-samples 5000]
+    python -m extract.report STORE [--out report.html] [--layers L ...] [--max-samples 5000] [--k 20]
 
 Needs matplotlib: ``pip install 'extract[report]'``.
 """
@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--queries", type=int, default=DEFAULTS.queries, help="query samples with neighbour thumbnails (default 4)"
     )
     p.add_argument("--neighbours", type=int, default=DEFAULTS.neighbours, help="neighbours shown per query (default 6)")
+    p.add_argument(
+        "--k",
+        type=int,
+        default=DEFAULTS.k,
+        help=f"neighbours that vote in the k-NN probe (default {DEFAULTS.k}, as probe's)",
+    )
     p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the samples drawn (default 0)")
     p.add_argument("--device", help="cpu | cuda[:N] (default: a GPU if there is one)")
     return p

@@ -37,7 +37,7 @@ from ..data import (
 from ..data.gpu_decode import GpuDecoder
 from ..data.text import TextSource
 from ..errors import ExtractError
-from ..models import LoadedModel, build_model, library_versions
+from ..models import LoadedModel, build_model, check_tensor_parallel, library_versions
 from ..models.hf_text import input_device
 from ..names import Kind
 from ..names.layers import LayerRef
@@ -74,6 +74,7 @@ class Summary:
     invalid: int = 0
     kind: Kind = Kind.IMAGES  # what a row is
     truncation: dict[str, int] | None = None  # text: documents truncated and tokens dropped, when tokenized now
+    compressor: str = "none"  # the store's (--compressor, or its kind's default)
 
     @property
     def rows_per_second(self) -> float:
@@ -87,6 +88,8 @@ class Summary:
 
     @property
     def compression_ratio(self) -> float:
+        """The features' bytes in memory over their bytes stored: the compressor's gain, less what it costs
+        to store the metadata and the last chunk whole (zarr writes its padding too)."""
         return self.raw_bytes / self.bytes_stored if self.bytes_stored else 0.0
 
     def record(self) -> dict[str, Any]:
@@ -99,6 +102,7 @@ class Summary:
             "images_per_second": round(self.rows_per_second, 2),  # the same rate, kept for older readers
             "bytes_stored": self.bytes_stored,
             "compression_ratio": round(self.compression_ratio, 3),
+            "compressor": self.compressor,
             "invalid_samples": self.invalid,
             **({"truncation": self.truncation} if self.truncation is not None else {}),
         }
@@ -110,8 +114,15 @@ class Summary:
         return (
             f"extract: {self.samples} {rows} in {self.seconds:.1f} s ({self.rows_per_second:.1f} {unit}/s); "
             f"{_count(self.chunks_written, 'chunk')} written, {self.chunks_reused} reused; "
-            f"{self.bytes_stored / 2**20:.1f} MiB stored, compression {self.compression_ratio:.2f}x{skipped}"
+            f"{self.bytes_stored / 2**20:.1f} MiB stored{self._compression()}{skipped}"
         )
+
+    def _compression(self) -> str:
+        """What the compressor gained, said as what it measures; nothing without a compressor, where the
+        ratio (below 1: the padded last chunk and the metadata) was read as a compression that made it worse."""
+        if self.compressor == "none" or not self.bytes_stored:
+            return ", uncompressed" if self.compressor == "none" else ""
+        return f" with {self.compressor}, {self.compression_ratio:.2f}x less than the features' size in memory"
 
 
 def _autocast(device: torch.device, precision: str) -> Any:
@@ -209,7 +220,7 @@ def _prepare(spec: JobSpec, state: PartialState, mesh: Mesh, existing: Mapping[s
     data = _data(spec, state, existing)
     loaded, precision = _load_model(spec, state.device, mesh)
     # a wrong name (or an alias this model has no tensor for): refused before the forward
-    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases)
+    refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases, loaded.alias_failure)
     check_moe_layers(loaded.model, refs)  # an expert's own output has no row per token
     # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns
@@ -398,6 +409,8 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         watch_launcher()
         state = process_state(spec.timeout)
         mesh = job_mesh(state, spec.tensor_parallel)  # a --tensor-parallel that does not fit: before the lock
+        if mesh.tensor_parallel > 1:
+            _check_tensor_parallel(spec, state, mesh)
         if state.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
@@ -425,6 +438,20 @@ def _predated(job: _Job, existing: Mapping[str, Any] | None) -> dict[str, Any]:
     record = existing.get("job") if existing is not None else None
     made = now if not isinstance(record, Mapping) else batching(record, text=job.text is not None)
     return {key: value for key, value in made.items() if key not in identity}
+
+
+def _check_tensor_parallel(spec: JobSpec, state: PartialState, mesh: Mesh) -> None:
+    """What the model's name and config refuse under ``--tensor-parallel``, said before the data, the
+    tokenizer and any other output. Every rank decides alike, then they meet: a rank that exited first
+    had the launcher stop rank 0 (SIGTERM) before it printed the line, which then read "interrupted"."""
+    refusal = None
+    try:
+        check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, mesh.tensor_parallel)
+    except ExtractError as e:
+        refusal = e
+    state.wait_for_everyone()
+    if refusal is not None:
+        raise refusal
 
 
 def _already_complete(job: _Job, log: Log) -> Summary:
@@ -548,4 +575,5 @@ def _extract(
         invalid=int((~store.array("valid")[:]).sum()) if main else 0,
         kind=job.kind,
         truncation=None if job.text is None else job.text.truncation(),
+        compressor=job.spec.compressor or "none",
     )

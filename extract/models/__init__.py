@@ -15,6 +15,7 @@ import importlib.metadata
 import platform
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ExtractError
 from . import registry
 from .registry import ModelSource
 
@@ -39,6 +40,7 @@ __all__ = [
     "ModelSource",
     "TextModel",
     "build_model",
+    "check_tensor_parallel",
     "library_versions",
     "load_checkpoint",
     "preprocessing_record",
@@ -89,6 +91,23 @@ def build_model(
         loaded.weights = f"checkpoint {checkpoint}"
     loaded.model.eval()
     return loaded
+
+
+def check_tensor_parallel(name: str, weights: str, checkpoint: str | None, size: int) -> None:
+    """Refuse ``--tensor-parallel size`` for ``--model name`` where its files alone say it cannot apply:
+    another source than an ``hf:`` text model, a model type without transformers' plan, a random init.
+    Only names and the model's config are read (no weight, no tokenizer, no process group), so that every
+    rank of a launch says it within seconds of its start, before anything else is printed or prepared."""
+    source, source_name = registry.resolve(name)
+    if source.name == "hf":
+        from . import hf
+
+        if hf.check_tensor_parallel(source_name, weights, checkpoint, size):
+            return
+    raise ExtractError(
+        f"--tensor-parallel applies to hf: text models (transformers' own plans); --model {name} is not "
+        "one (drop --tensor-parallel: each process holds the whole model)"
+    )
 
 
 def library_versions(source: str | None = None) -> dict[str, str]:

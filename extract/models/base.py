@@ -51,7 +51,8 @@ class LoadedModel:
     ``input_name`` is the keyword the model takes its pixels by (``pixel_values`` for transformers),
     ``None`` for a positional argument. ``aliases`` are extra layer names (``hidden_states.N``,
     TransformerLens's ``blocks.N.hook_resid_pre``), ``absent_aliases`` the names of that kind this
-    model has no tensor for, with why (``--layers`` says it in one line), and
+    model has no tensor for, with why (``--layers`` says it in one line), ``alias_failure`` the model's
+    own error where the forward that finds them failed (such a name is refused with it), and
     ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
     knows it and the shapes cannot tell (see ``extract.capture.layout``). ``kind`` says what it
     takes: ``"image"`` here, ``"text"`` for ``extract.models.hf_text.TextModel``.
@@ -67,6 +68,7 @@ class LoadedModel:
     checkpoint_sha256: str | None = None
     aliases: dict[str, LayerRef] = field(default_factory=dict)
     absent_aliases: dict[str, str] = field(default_factory=dict)
+    alias_failure: str | None = None  # the model's error where the forward that finds the aliases failed
     input_name: str | None = None
     layout_hints: dict[str, str] = field(default_factory=dict)
 

@@ -83,17 +83,37 @@ def _vision_only(model_type: Any) -> bool:
     return model_type in IMAGE_PROCESSOR_MAPPING_NAMES and model_type not in TOKENIZER_MAPPING_NAMES
 
 
+def _unreadable_config(name: str, path: Path, error: BaseException) -> ExtractError:
+    """``config.json`` that is not a JSON object, in one line naming it (neither kind can load it)."""
+    if isinstance(error, json.JSONDecodeError):
+        why = f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+    elif isinstance(error, UnicodeDecodeError):
+        why = f"not UTF-8 text (byte {error.start})"
+    elif isinstance(error, OSError):
+        why = f"unreadable ({error.strerror or error})"
+    else:
+        why = str(error)
+    return ExtractError(
+        f"--model hf:{name}: its config.json ({path}) is {why}; write it again with save_pretrained "
+        "(or download the model again)"
+    )
+
+
 def is_text_model(name: str, hub_offline: bool) -> bool:
     """Whether ``hf:name`` is a text model (the rule is in the module docstring); a text config
     without a tokenizer is refused here, since neither kind could use it."""
     config_file = model_file(name, "config.json", hub_offline)
     if config_file is None:
         return False
+    # An unreadable config is said here: taken for "not text", it sent a text model down the vision
+    # way, which then asked for a preprocessor_config.json it never needed.
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False  # the vision loaders name the unreadable file
-    if not isinstance(config, dict) or _vision_only(config.get("model_type")):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _unreadable_config(name, config_file, e) from None
+    if not isinstance(config, dict):
+        raise _unreadable_config(name, config_file, ValueError(f"a JSON {type(config).__name__}, not an object"))
+    if _vision_only(config.get("model_type")):
         return False
     if model_file(name, "preprocessor_config.json", hub_offline) is not None:
         return False
@@ -108,6 +128,23 @@ def is_text_model(name: str, hub_offline: bool) -> bool:
         f"--model hf:{name} has no tokenizer ({files}) in the Hugging Face cache; save the model and its "
         "tokenizer with save_pretrained(DIR) and use hf:DIR"
     )
+
+
+def check_tensor_parallel(name: str, weights: str, checkpoint: str | None, size: int) -> bool:
+    """Whether ``hf:name`` is a text model (``--tensor-parallel`` applies to none other), refusing a
+    ``--tensor-parallel size`` its config cannot take (``hf_text.check_tensor_parallel``); the config is
+    all that is read."""
+    from transformers import AutoConfig
+
+    from .base import ModelRequest, hub_offline
+
+    offline = hub_offline()
+    if not is_text_model(name, offline):
+        return False
+    config = load_pretrained("the config", name, AutoConfig.from_pretrained, offline, hf_text.TEXT_PARTS)
+    request = ModelRequest(weights, checkpoint, 0, None, checkpoint is None, hub_offline=offline)
+    hf_text.check_tensor_parallel(name, config, request, size)
+    return True
 
 
 def _vision_tower(model: nn.Module) -> tuple[nn.Module, str]:
@@ -143,5 +180,7 @@ def build(name: str, request: ModelRequest) -> LoadedModel:
     preprocess = ProcessorTransform(processor)
     size = tuple(preprocess(Image.new("RGB", (256, 256), (128, 128, 128))).shape[1:])
     loaded = LoadedModel(model, preprocess, size, description + tower, input_name="pixel_values")  # type: ignore[arg-type]
-    loaded.aliases = hidden_state_aliases(model, loaded.example(1))
+    failures: list[str] = []
+    loaded.aliases = hidden_state_aliases(model, loaded.example(1), failures=failures)
+    loaded.alias_failure = failures[0] if failures else None
     return loaded

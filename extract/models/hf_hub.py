@@ -8,6 +8,7 @@ transformers and huggingface_hub are imported only when a model is built."""
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from torch import nn
 
 from ..capture import Capture
 from ..capture.lens import lens_aliases
+from ..capture.setup import model_failed
 from ..errors import ExtractError
 from ..names.layers import LayerRef
 from .base import download_failed
@@ -75,10 +77,30 @@ def load_pretrained(what: str, name: str, load: Any, hub_offline: bool, parts: s
     except OSError as e:
         if hub_offline:
             raise _not_found(what, name, e, parts) from None
+    except Exception as e:
+        if not _unreadable_weights(e):
+            raise
+        raise _damaged_in_cache(name, e) from None
     try:
         return load(name)
     except (OSError, ValueError) as e:
         raise _not_found(what, name, e, parts) from None
+    except Exception as e:
+        if not _unreadable_weights(e):
+            raise
+        raise _damaged_in_cache(name, e) from None
+
+
+def _damaged_in_cache(name: str, error: BaseException) -> ExtractError:
+    """A weights file of a hub model, in the Hugging Face cache, that cannot be read (a download cut short)."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, pickle.UnpicklingError):
+        first = "not a checkpoint torch.load can read"
+    return ExtractError(
+        f"--model hf:{name}: its weights in the Hugging Face cache cannot be read ({error.__class__.__name__}: "
+        f"{first}): the download was cut short or damaged; remove it from the cache (hf cache rm model/{name}) "
+        "and run again"
+    )
 
 
 def _load_directory(what: str, name: str, load: Any, parts: str = IMAGE_PARTS) -> Any:
@@ -94,6 +116,50 @@ def _load_directory(what: str, name: str, load: Any, parts: str = IMAGE_PARTS) -
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ExtractError(f"--model hf:{name}: cannot load {what} from it ({e.__class__.__name__}: {first})") from None
+    except Exception as e:
+        if not _unreadable_weights(e):
+            raise
+        raise _damaged_weights(name, e) from None
+
+
+def _unreadable_weights(error: BaseException) -> bool:
+    """Whether ``error`` is a weights file that cannot be read: safetensors' header check, or
+    ``torch.load`` on a ``.bin`` that is not a whole checkpoint (cut short, or not one at all)."""
+    if type(error).__module__.startswith("safetensors"):  # SafetensorError, from its Rust extension
+        return True
+    return isinstance(error, pickle.UnpicklingError) or (
+        isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error)
+    )
+
+
+def _damaged_weights(name: str, error: BaseException) -> ExtractError:
+    """One line naming the weights file that cannot be read. transformers' own exceptions say neither
+    which file (a sharded model has many) nor the fix, and torch's suggests ``weights_only=False``,
+    which would not help a file cut short and would run whatever a damaged pickle holds."""
+    files = sorted(p.name for p in Path(name).iterdir() if p.suffix in (".safetensors", ".bin"))
+    culprit = next(
+        (file for file in files if file.endswith(".safetensors") and not _safetensors_readable(Path(name, file))), None
+    )
+    where = culprit or " or ".join(files) or "its weights file"
+    first = (str(error).strip().splitlines() or [""])[0]
+    if isinstance(error, pickle.UnpicklingError):  # torch's text is advice to load unsafely, not the cause
+        first = "not a checkpoint torch.load can read"
+    return ExtractError(
+        f"--model hf:{name}: {where} cannot be read ({error.__class__.__name__}: {first}): it is truncated or "
+        "damaged; write the model there again with save_pretrained (or download it again)"
+    )
+
+
+def _safetensors_readable(path: Path) -> bool:
+    """Whether safetensors opens ``path``: it checks the header and that the tensors cover the file
+    exactly, reading no tensor, so a file cut short or of random bytes fails here at once."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except Exception:  # noqa: BLE001 - any failure is the answer: not readable
+        return False
 
 
 def _is_repo_id(name: str) -> bool:
@@ -134,17 +200,22 @@ def _pixels(module: Callable[..., Any], pixels: torch.Tensor) -> Any:
 
 
 def hidden_state_aliases(
-    model: nn.Module, example: Any, call: Callable[[Callable[..., Any], Any], Any] = _pixels
+    model: nn.Module,
+    example: Any,
+    call: Callable[[Callable[..., Any], Any], Any] = _pixels,
+    failures: list[str] | None = None,
 ) -> dict[str, LayerRef]:
     """``hidden_states.N`` -> the module whose output is that hidden state, found by identity (or
     the same memory, see ``_same_tensor``) in one forward of ``example`` with
     ``output_hidden_states=True``; ``call(module, example)`` runs a module the way the source does
     (``pixel_values=`` for vision, ``**inputs`` for text). When several modules return it, the
-    outermost (it finishes last), so that a change it makes after its children return is captured too."""
+    outermost (it finishes last), so that a change it makes after its children return is captured too.
+    Where the forward fails, there are none, and the model's error in one line is added to ``failures``."""
     try:
         with Capture(model, retain="reference") as cap, torch.inference_mode():
             result = call(functools.partial(model, output_hidden_states=True), example)
-    except Exception:  # noqa: BLE001 - a model without hidden states just has no aliases
+    except Exception as e:  # noqa: BLE001 - a model without hidden states just has no aliases
+        _failed(failures, example, e)
         return {}
     fired = cap.seen
     aliases = {}
@@ -162,11 +233,15 @@ def hidden_state_aliases(
 
 
 def transformer_lens_aliases(
-    model: nn.Module, config: Any, example: Any, call: Callable[[Callable[..., Any], Any], Any]
+    model: nn.Module,
+    config: Any,
+    example: Any,
+    call: Callable[[Callable[..., Any], Any], Any],
+    failures: list[str] | None = None,
 ) -> tuple[dict[str, LayerRef], dict[str, str]]:
     """TransformerLens's hook names of a causal LM -> the tensors they are, and the names it has no
     tensor for -> why (``extract.capture.lens.lens_aliases``), decided by one forward of ``example``
-    under ``Capture``; none where that forward fails (as ``hidden_state_aliases``)."""
+    under ``Capture``; none where that forward fails (added to ``failures`` as ``hidden_state_aliases``)."""
 
     def shapes_of(refs: list[LayerRef]) -> dict[str, list[Any]]:
         with Capture(model, refs, retain="shape") as cap, torch.inference_mode():
@@ -175,5 +250,13 @@ def transformer_lens_aliases(
 
     try:
         return lens_aliases(model, config, shapes_of)
-    except Exception:  # noqa: BLE001 - a model that cannot run here just has no such names
+    except Exception as e:  # noqa: BLE001 - a model that cannot run here just has no such names
+        _failed(failures, example, e)
         return {}, {}
+
+
+def _failed(failures: list[str] | None, example: Any, error: BaseException) -> None:
+    """Keep the model's own error for the names its forward would have found: asked for, such a name
+    is refused with it (``resolve_layers``), not as a module the model lacks."""
+    if failures is not None and not failures:
+        failures.append(str(model_failed(example, error)))

@@ -474,11 +474,12 @@ def tensor_parallel_types(config_mapping: Any = None) -> list[str]:
     return found
 
 
-def check_tensor_parallel(name: str, config: Any, request: ModelRequest) -> None:
+def check_tensor_parallel(name: str, config: Any, request: ModelRequest, size: int | None = None) -> None:
     """Refused before any weight loads: a model type without transformers' plan, and a random init (the
-    plan shards weights as ``from_pretrained`` loads them)."""
+    plan shards weights as ``from_pretrained`` loads them). ``size``: the group's, where the request has
+    no meshes yet (the check before the process group, ``extract.models.check_tensor_parallel``)."""
     model_type = getattr(config, "model_type", "?")
-    size = request.tensor_parallel.size
+    size = size if size is not None else request.tensor_parallel.size
     if not getattr(config.get_text_config(), "base_model_tp_plan", None):
         types = tensor_parallel_types()
         named = [kind for kind in KNOWN_PLANS if kind in types]
@@ -575,7 +576,9 @@ def build(name: str, request: ModelRequest) -> TextModel:
         model, None, (1, 1), description, input_name="input_ids", tokenizer=tokenizer,  # type: ignore[arg-type]
         max_positions=max_positions(config), sentence=sentence, sentence_missing=looked,
     )  # fmt: skip
-    loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call)
-    lens, loaded.absent_aliases = transformer_lens_aliases(model, config, loaded.example(1), loaded.call)
+    failures: list[str] = []
+    loaded.aliases = hidden_state_aliases(model, loaded.example(1), loaded.call, failures)
+    lens, loaded.absent_aliases = transformer_lens_aliases(model, config, loaded.example(1), loaded.call, failures)
+    loaded.alias_failure = failures[0] if failures else None
     loaded.aliases.update(lens)
     return loaded

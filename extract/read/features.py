@@ -24,6 +24,7 @@ from ..errors import (
     PoolMismatchError,
     PoolShapeError,
     SampleIndexError,
+    StoreBusyError,
 )
 from ..names import Kind
 from ..names.layers import closest
@@ -31,6 +32,7 @@ from ..names.pooling import make_pool
 from ..store import dtypes as storage
 from ..store.chunks import Plan
 from ..store.location import Location, locate
+from ..store.opening import live_job
 from ..store.stats import STATS
 from ..store.stats import merge as merge_stats
 from ..store.store import FeatureStore
@@ -578,6 +580,12 @@ def open_features(path: str | os.PathLike[str] | Location, *, allow_partial: boo
     features = Features(location.place, store)
     if not features.complete and not allow_partial:
         done = int(store.done_flags().sum())
+        job = live_job(location)
+        if job is not None:  # rerunning would be refused as busy: the job is still writing (or finishing)
+            raise StoreBusyError(
+                f"{location} is being written by a job ({job}; {done} of {features.num_chunks} chunks written): "
+                "wait for the job to finish, or open it now with allow_partial=True and read features.present"
+            )
         raise ExtractError(
             f"{location} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
             "chunks written): rerun the same extract command to finish it, or open it with "

@@ -125,6 +125,11 @@ class FileRecords:
 
     def create(self, record: Record) -> Version | None:
         if not _create(self.where, record):
+            if self.where.is_dir():  # read as no lock, it would be "taken over" and found again forever
+                raise ExtractError(
+                    f"--out {self.store}: its lock path {self.where} is a directory, not a lock file; move it "
+                    "away (extract creates the lock file there), or choose another --out"
+                )
             return None
         beat = self.clock()  # the heartbeat's first beat, on the lock's clock as every later one
         with contextlib.suppress(OSError):  # the lock is ours all the same, its mtime the filesystem's

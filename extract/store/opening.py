@@ -112,20 +112,28 @@ def _open_remote(location: Location, mode: str, writer: str | None) -> tuple[zar
 
 def check_not_being_created(location: Location) -> None:
     """Raise ``StoreBeingCreatedError`` when a live job holds the lock of ``location``, where there is no
-    store yet: the reader came while the job is creating it (or preparing to), not to a wrong path. The
-    lock modules are loaded here only, for a path without a store."""
+    store yet: the reader came while the job is creating it (or preparing to), not to a wrong path."""
+    job = live_job(location)
+    if job is None:
+        return
+    raise StoreBeingCreatedError(
+        f"{location} is being created by a job ({job}); wait for the job, and read the store when it is done"
+    )
+
+
+def live_job(location: Location) -> str | None:
+    """The live job holding the lock of ``location``, as messages name it (host, pid, since, and where
+    its lock is); None when no live job holds it. The lock modules are loaded here only, for readers
+    that found a store missing or unfinished."""
     from .locking import live_holder, lock_name
 
     holder, lock = live_holder(location), lock_name(location)
     if holder is None:
-        return
+        return None
     job = "one that is starting"  # its claimer has not written its record yet
     if "pid" in holder:
         job = f"host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('started')}"
-    raise StoreBeingCreatedError(
-        f"{location} is being created by a job ({job}; its lock is {lock}); wait for the job, and read the store "
-        "when it is done"
-    )
+    return f"{job}; its lock is {lock}"
 
 
 def validate(store: FeatureStore, attrs: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from . import ROOT, TINY
+from . import ROOT, TINY, patience
 
 # resnet18 with random weights on 32-pixel images: a forward costs little, and nothing is downloaded
 RESNET18 = ["--model", "resnet18", "--weights", "none", "--image-size", "32"]
@@ -27,10 +27,11 @@ FAST_LOCK = {"EXTRACT_LOCK_HEARTBEAT": "0.2", "EXTRACT_LOCK_STALE_AFTER": "1"}
 def run_cli(
     *args: object, env: dict[str, str] | None = None, timeout: float = 300, launcher: Sequence[str] | None = None
 ) -> subprocess.CompletedProcess:
-    """The CLI in a subprocess, as a user runs it; returns the CompletedProcess."""
+    """The CLI in a subprocess, as a user runs it; returns the CompletedProcess. ``timeout`` is what it may
+    take on a quiet machine: it runs on while it makes progress (``patience``), up to a multiple of that."""
     command = [*(launcher or [sys.executable, "-m"]), "extract", *map(str, args)]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    return patience.run(command, quiet=timeout, capture_output=True, text=True, env=full_env, cwd=ROOT)
 
 
 def one_line_error(err: str) -> str:

@@ -11,7 +11,9 @@ import torch
 
 import extract.job.runner  # noqa: F401 - imported once here, not in every child (seconds each on a busy machine)
 
-# A generous bound for a child that should exit on its own: reaching it means the child hung.
+from . import patience
+
+# What a child that should exit on its own may take on a quiet machine (``patience`` waits on while it works).
 EXIT_TIMEOUT = 300.0
 
 
@@ -40,17 +42,21 @@ def fork_start(args, before: Callable[[], None] | None = None, stderr=os.devnull
 
 
 def fork_wait(pid: int, timeout: float = EXIT_TIMEOUT) -> int:
-    """The child's exit code (-9 when killed). A child still running after ``timeout`` seconds is
-    killed and fails the test: it did not stop on its own."""
+    """The child's exit code (-9 when killed). ``timeout`` is what the child may take on a quiet machine;
+    it is waited for while it makes progress (``patience``), and a child that stalls (or runs past a
+    multiple of ``timeout``) is killed and fails the test: it did not stop on its own."""
+    progress = patience.Progress([pid], f"the job (pid {pid})", limit=patience.ceiling(timeout))
     pidfd = os.pidfd_open(pid)
     try:
-        exited, _, _ = select.select([pidfd], [], [], timeout)
+        while not select.select([pidfd], [], [], 1)[0]:
+            try:
+                progress.check()
+            except AssertionError:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise
     finally:
         os.close(pidfd)
-    if not exited:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise AssertionError(f"the job (pid {pid}) did not exit on its own within {timeout:g} s")
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
 

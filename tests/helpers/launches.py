@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import HELPERS, ROOT
+from . import HELPERS, ROOT, patience
 
 SEQUENCE = HELPERS / "job_sequence.py"
 
@@ -100,8 +100,10 @@ class Sequence:
         )  # fmt: skip
 
     def run(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        """The launch, waited for while it makes progress (``patience``); ``timeout`` is what it may take
+        on a quiet machine."""
         job = self.start()
-        _, err = job.communicate(timeout=timeout)
+        _, err = patience.communicate(job, quiet=timeout, what=f"the launch of {self.plan}")
         return subprocess.CompletedProcess(job.args, job.returncode, "", err)
 
     def result(self, name: str) -> JobResult:

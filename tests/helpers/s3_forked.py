@@ -46,6 +46,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from extract.store import object_lock, remote  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402
+from helpers import patience  # noqa: E402
 from helpers.cli import FAST_LOCK, SEEDED, TINY_JOB, one_line_error  # noqa: E402
 from helpers.faultproxy import FaultProxy  # noqa: E402
 from helpers.forked import (  # noqa: E402
@@ -237,10 +238,8 @@ WRITE_TIMEOUT = 5.0
 
 
 def _until(reached, what: str, within: float = 120) -> None:
-    deadline = time.time() + within
-    while not reached():
-        assert time.time() < deadline, f"{what}: not within {within} s"
-        time.sleep(0.02)
+    """Poll ``reached()`` while this process's forked jobs make progress (``within``: a quiet machine's time)."""
+    patience.until(reached, what, lambda: patience.children_of(os.getpid()), quiet=within)
 
 
 def _lock(store: str) -> dict:
@@ -265,7 +264,7 @@ def paused(prefix: str) -> None:
         try:
             _until(lambda: _done(store) >= 3, "A's first chunks")
             proxy.hold(lambda method, path: method == "GET" and path.split("?")[0].endswith(f"/{store}/zarr.json"))
-            assert proxy.held.wait(60), "A read no root metadata"
+            assert proxy.held.wait(patience.ceiling(60)), "A read no root metadata"
             os.kill(a, signal.SIGSTOP)  # with the fence's read in flight
             paused_at = time.time()
             _until(lambda: time.time() - _lock(store).get("time", time.time()) > 1.1, "A's lock going stale")
