@@ -49,7 +49,7 @@ MOE_MODULES = {
     "model.layers.1.mlp": ("model.layers.1.mlp", False),
     "model.layers.0.self_attn.o_proj@input": ("model.layers.0.self_attn.o_proj", True),
 }
-MOE_SAE_HOOK = "blocks.1.hook_resid_post"  # the MoE's residual stream (width 32), as SAELens names its hook
+MOE_SAE_HOOK = "model.layers.1"  # the MoE's residual stream (width 32): no TransformerLens names for Qwen3-MoE
 CONTEXT = 80
 TOKENS = ["--context-length", str(CONTEXT), "--chunk-size", "32", "--tokens-per-batch", "96"]
 PACKED = ["--pack", "40", "--chunk-size", "48", "--tokens-per-batch", "120"]

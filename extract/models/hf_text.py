@@ -594,6 +594,14 @@ def load_tensor_parallel(auto: Any, source: str, meshes: TensorMeshes, **options
         return auto.from_pretrained(
             source, distributed_config=DistributedConfig(tp_size=meshes.size, **experts), **options
         )
+    except ValueError as e:
+        # an expert count the config does not name (``expert_count``), found uneven as the plan shards it
+        if "Cannot evenly shard" not in str(e):
+            raise
+        raise ExtractError(
+            f"--tensor-parallel {meshes.size}: {e} (transformers' expert plan); give a --tensor-parallel that "
+            "divides the model's expert count"
+        ) from None
     finally:
         mixin.initialize_distributed_mesh = own
 
