@@ -68,6 +68,7 @@ def _save_config_only(kind: str, folder):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     write_jsonl(root / "docs.jsonl", real_documents(24, seed=9))
+    write_jsonl(root / "few.jsonl", real_documents(24, seed=9)[:10])  # the families' jobs: shorter, as many kinds
     saved = {kind: save_text_model(kind, root / kind) for kind in FAMILIES}
     saved.update({kind: _save_config_only(kind, root / kind) for kind in ("three_experts", "no_expert_plan")})
     return root, saved
@@ -82,9 +83,9 @@ def _family_layers(kind: str) -> list[str]:
     return [f"model.layers.{i}.mlp@router" for i in FAMILIES[kind]] + [_stored(kind, m) for m in FAMILY_MODULES]
 
 
-def _job(models, kind, out, *options, layers=LAYERS):
+def _job(models, kind, out, *options, layers=LAYERS, documents="docs.jsonl"):
     root, saved = models
-    return ["--model", f"hf:{saved[kind]}", "--layers", *layers, "--data", f"text:{root / 'docs.jsonl'}", *options,
+    return ["--model", f"hf:{saved[kind]}", "--layers", *layers, "--data", f"text:{root / documents}", *options,
             "--out", str(out)]  # fmt: skip
 
 
@@ -100,9 +101,12 @@ def runs(models, tmp_path_factory):
     }
     paired = {
         "mixtral": _job(models, "mixtral", two / "mixtral.zarr", *TOKENS),
-        "qwen2_moe_tp": _job(models, "qwen2_moe", two / "qwen2_moe_tp.zarr", *PACKED, "--tensor-parallel", "2"),
+        # Qwen2-MoE's is packed, on all the documents: the routing test below reads it too
+        "qwen2_moe_ep": _job(models, "qwen2_moe", two / "qwen2_moe_ep.zarr", *PACKED, "--tensor-parallel", "2",
+                             layers=_family_layers("qwen2_moe")),
         **{f"{kind}_ep": _job(models, kind, two / f"{kind}_ep.zarr", *TOKENS, "--tensor-parallel", "2",
-                              layers=_family_layers(kind)) for kind in FAMILIES},
+                              layers=_family_layers(kind), documents="few.jsonl")
+           for kind in FAMILIES if kind != "qwen2_moe"},
         **{kind: _job(models, kind, two / f"{kind}.zarr", *TOKENS, "--tensor-parallel", "2")
            for kind in ("three_experts", "no_expert_plan")},
     }  # fmt: skip
@@ -173,7 +177,7 @@ def _check_against_transformers(store, model_path) -> float:
 @pytest.mark.parametrize(
     "run, name, kind",
     [("one", "mixtral", "mixtral"), ("one", "qwen2_moe", "qwen2_moe"), ("two", "mixtral", "mixtral"),
-     ("two", "mixtral_ep", "mixtral"), ("two", "qwen2_moe_tp", "qwen2_moe")],
+     ("two", "mixtral_ep", "mixtral"), ("two", "qwen2_moe_ep", "qwen2_moe")],
 )  # fmt: skip
 def test_routing_equals_transformers_router_logits(models, runs, run, name, kind):
     from extract.cli.verify import main as verify
@@ -197,9 +201,11 @@ def test_two_data_parallel_processes_give_the_bytes_of_one(runs):
     assert_same_bytes(runs["two"].folder / "mixtral.zarr", runs["one"].folder / "mixtral.zarr")
 
 
-def test_each_experts_load_is_counted_per_chunk(runs):
-    """stats/latents/BLOCK@router: per chunk, the tokens routed to each expert and the weight they got."""
-    features = open_features(runs["one"].folder / "qwen2_moe.zarr")
+@pytest.mark.parametrize("run, name", [("one", "qwen2_moe"), ("two", "qwen2_moe_ep")])
+def test_each_experts_load_is_counted_per_chunk(runs, run, name):
+    """stats/latents/BLOCK@router: per chunk, the tokens routed to each expert and the weight they got; also
+    with the experts split over a tensor-parallel group (packed contexts)."""
+    features = open_features(runs[run].folder / f"{name}.zarr")
     for router in ROUTERS:
         experts, weights = features.codes(router)
         np.testing.assert_array_equal(features.codes(router, slice(5, 9))[0], experts[5:9])

@@ -8,9 +8,9 @@ alone through transformers in this process, and byte for byte between runs on th
 size; the interpreter's audit hooks list which rank wrote which file.
 
 A Qwen3-MoE, its experts split over each group (transformers' expert-parallel plan), runs beside the Llama:
-2 groups x 2 against each document alone and byte for byte against 1 x 2, one writer per group, --sae on
-its residual stream, TokenStream on its store, and the SIGTERM to the rank that does not write (its group
-stops between forwards: no rank is left inside the experts' all-to-all) resumed to the same bytes."""
+2 groups x 2 against each document alone, one writer per group, --sae on
+its residual stream in the same job, TokenStream on its store, and the SIGTERM to the rank that does not write (its group
+stops between forwards: no rank is left inside the experts' all-to-all), resumed by 1 x 2 to the bytes of 2 x 2."""
 
 import os
 import random
@@ -41,7 +41,8 @@ MODULES = {  # stored layer -> (module, its input?) as transformers names them
     "model.layers.0.self_attn.o_proj@input": ("model.layers.0.self_attn.o_proj", True),
     "model.layers.0.mlp.down_proj@input": ("model.layers.0.mlp.down_proj", True),
 }
-# the Qwen3-MoE: each block's routing, the residual stream, the MoE block's output and the gathered heads
+# the Qwen3-MoE: each block's routing, the residual stream (with an SAE's codes), the MoE block's output and the
+# gathered heads
 MOE_LAYERS = ["model.layers.0.mlp@router", "model.layers.1.mlp@router", "model.layers.1", "model.layers.1.mlp",
               "model.layers.0.self_attn.o_proj@input"]  # fmt: skip
 MOE_MODULES = {
@@ -98,8 +99,9 @@ def job(corpus, out, *options, layers=LAYERS, tensor_parallel="2", model=2):
     ]  # fmt: skip
 
 
-def moe_job(corpus, out, *options):
-    return job(corpus, out, *TOKENS, *options, layers=MOE_LAYERS, model=4)
+def moe_job(corpus, out, sae):
+    """The Qwen3-MoE's per-token job, with an SAE on its residual stream (one launch serves both)."""
+    return job(corpus, out, *TOKENS, "--sae", f"{MOE_SAE_HOOK}={sae[1]}", layers=MOE_LAYERS, model=4)
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +114,7 @@ def launched(corpus, sae, tmp_path_factory):
         "packed": job(corpus, four_folder / "packed.zarr", *PACKED),
         "pooled": job(corpus, four_folder / "pooled.zarr", *TOKENS, "--pool", "mean"),
         "sae": job(corpus, four_folder / "sae.zarr", *PACKED, "--sae", f"{SAE_HOOK}={sae[0]}", layers=[SAE_HOOK]),
-        "moe": moe_job(corpus, four_folder / "moe.zarr"),
-        "moe_sae": job(corpus, four_folder / "moe_sae.zarr", *PACKED, "--sae", f"{MOE_SAE_HOOK}={sae[1]}",
-                       layers=[MOE_SAE_HOOK], model=4),
+        "moe": moe_job(corpus, four_folder / "moe.zarr", sae),
         "three": job(corpus, four_folder / "three.zarr", *TOKENS, tensor_parallel="3"),
         "activation": job(corpus, four_folder / "act.zarr", *TOKENS, layers=["model.layers.0.mlp.act_fn"]),
         "no_plan": ["--model", f"hf:{gpt2}", "--layers", "transformer.h.0", "--data", f"text:{corpus[0] / 'docs.jsonl'}",
@@ -134,9 +134,8 @@ def launched(corpus, sae, tmp_path_factory):
     termed = two_folder / "termed.zarr"  # the MoE: a group stopped while its experts are split over it
     two_jobs = {
         "one_group": job(corpus, two_folder / "tokens.zarr", *TOKENS),
-        "moe_one_group": moe_job(corpus, two_folder / "moe.zarr"),
         "resumed": job(corpus, killed, *TOKENS),
-        "termed": moe_job(corpus, termed),
+        "termed": moe_job(corpus, termed, sae),
     }
     two = Sequence(2, two_jobs, two_folder)
     launch = two.start()
@@ -147,7 +146,7 @@ def launched(corpus, sae, tmp_path_factory):
     # the rank that does not write: the launcher, told by it, stops the group's writer too
     os.kill(_rank(launch.pid, 1), signal.SIGTERM)
     launch.communicate(timeout=300)
-    again = Sequence(2, {"termed_resumed": moe_job(corpus, termed)}, tmp_path_factory.mktemp("tp-again"))
+    again = Sequence(2, {"termed_resumed": moe_job(corpus, termed, sae)}, tmp_path_factory.mktemp("tp-again"))
     finished = again.run(timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
     return {
@@ -279,6 +278,8 @@ def test_a_killed_group_resumed_gives_the_bytes_of_the_uninterrupted_run(launche
 
 
 def test_sigterm_to_the_rank_that_does_not_write_stops_its_group_and_the_rerun_gives_the_same_bytes(launched):
+    """The MoE, experts split over one group of 2: stopped by SIGTERM, resumed, it gives the bytes of the
+    uninterrupted 2 groups of 2."""
     termed = launched["two"].result("termed")
     assert termed.codes == [128 + signal.SIGTERM] * 2, termed.stderr[-3000:]
     assert "interrupted by SIGTERM" in termed.stderr
@@ -380,8 +381,8 @@ def test_sae_codes_and_the_saelens_export_of_a_tensor_parallel_store(corpus, sae
 
 def test_a_mixture_of_experts_split_over_two_groups_of_two_gives_every_document_as_run_alone(corpus, launched):
     """The Qwen3-MoE's experts split over each group: each rank holds half of them (the run record's parameter
-    bytes), every document's residual stream, MoE block output and gathered heads are those of the document
-    run alone in one process, and one group of 2 gives the same bytes as 2 groups."""
+    bytes), and every document's residual stream, MoE block output and gathered heads are those of the
+    document run alone in one process. (One group of 2 gives the same bytes: the SIGTERM test below.)"""
     result = launched["four"].result("moe")
     assert result.codes == [0, 0, 0, 0], result.stderr[-3000:]
     assert "4 processes as 2 x 2 (data x tensor parallel)" in result.stderr
@@ -396,9 +397,6 @@ def test_a_mixture_of_experts_split_over_two_groups_of_two_gives_every_document_
     assert all(0.5 * whole <= size <= 0.51 * whole for size in run["parameter_bytes"]), (run["parameter_bytes"], whole)
     assert "parameters per rank" in result.stderr
     assert largest_difference(store, corpus[4], MOE_MODULES) <= 1e-5
-    one_group = launched["two"].result("moe_one_group")
-    assert one_group.codes == [0, 0], one_group.stderr[-3000:]
-    assert_same_bytes(launched["two"].folder / "moe.zarr", store)
     rows, stream = open_features(store).load("model.layers.1.mlp"), []
     for batch, index in TokenStream(store, "model.layers.1.mlp", batch_size=64, return_index=True):
         np.testing.assert_array_equal(batch.numpy(), rows[index.numpy()])
@@ -406,17 +404,15 @@ def test_a_mixture_of_experts_split_over_two_groups_of_two_gives_every_document_
     assert sorted(np.concatenate(stream).tolist()) == list(range(len(rows)))
 
 
-def test_sae_codes_of_a_mixture_of_experts_split_over_its_group(corpus, sae, launched):
-    """--sae on the MoE's residual stream, packed, experts split over each group: the stored rows are each
-    context run alone, their codes SAELens's encode of them, top-k by numpy."""
+def test_sae_codes_of_a_mixture_of_experts_split_over_its_group(sae, launched):
+    """--sae on the MoE's residual stream, experts split over each group (the rows are each document run
+    alone: the test above): the codes are SAELens's encode of the stored rows, top-k by numpy."""
     from helpers.saes import top_k_codes
     from sae_lens import SAE
 
-    result = launched["four"].result("moe_sae")
+    result = launched["four"].result("moe")
     assert result.codes == [0, 0, 0, 0], result.stderr[-3000:]
-    store = launched["four"].folder / "moe_sae.zarr"
-    assert largest_difference(store, corpus[4], {MOE_SAE_HOOK: ("model.layers.1", False)}) <= 1e-5
-    group = zarr.open_group(store, mode="r")
+    group = zarr.open_group(launched["four"].folder / "moe.zarr", mode="r")
     rows = group[f"features/{MOE_SAE_HOOK}"][:]
     with torch.no_grad():
         dense = SAE.load_from_disk(sae[1]).encode(torch.from_numpy(rows)).numpy()
