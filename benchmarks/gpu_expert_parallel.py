@@ -76,7 +76,9 @@ def main() -> int:
         started = time.time()
         result = subprocess.run([*launcher, *job], capture_output=True, text=True, timeout=150)
         seconds = time.time() - started
-        print(f"== {name}: {processes} processes, --tensor-parallel {tensor or 1}: exit {result.returncode} in {seconds:.1f} s")
+        print(
+            f"== {name}: {processes} processes, --tensor-parallel {tensor or 1}: exit {result.returncode} in {seconds:.1f} s"
+        )
         print(result.stderr[-1500:])
         if result.returncode != 0:
             return 1
@@ -106,8 +108,10 @@ def main() -> int:
         share = max(report[name]["parameter_bytes"]) / whole
         report[name].update(same_token_ids=same_ids, relative_difference=differences, same_experts=same_experts,
                             largest_share_of_parameters=share)  # fmt: skip
-        print(f"{name}: token ids identical {same_ids}; largest difference / scale {differences}; same top-k "
-              f"experts for {same_experts:.4f} of tokens; largest rank holds {share:.3f} of the parameters")
+        print(
+            f"{name}: token ids identical {same_ids}; largest difference / scale {differences}; same top-k "
+            f"experts for {same_experts:.4f} of tokens; largest rank holds {share:.3f} of the parameters"
+        )
         failed |= not same_ids or any(v > 1e-3 for v in differences.values()) or same_experts < 0.99 or share > 0.52
     print(json.dumps(report, indent=1))
     if args.json:

@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         diff = "" if row["max_abs_vs_all_reduce"] is None else f"{row['max_abs_vs_all_reduce']:.1e}"
         print(f"{row['dispatch']:<11} {row['top_k']:>5} {row['tokens']:>6} {row['seconds']:>8.3f} {diff:>10}")
     if args.json:
-        record = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "results": results}
+        record = {
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "results": results,
+        }
         Path(args.json).write_text(json.dumps(record, indent=2))
     return 0
 

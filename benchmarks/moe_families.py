@@ -113,7 +113,9 @@ def main() -> int:
                 layer: bool(np.array_equal(*(np.sort(s[f"latents/{layer}/indices"][:], axis=1) for s in stores)))
                 for layer in (stores[0]["latents"] if "latents" in stores[0] else [])
             }
-    print("| family | exit (1 process; 2) | largest rank's share | residual max abs | router logits max abs | same experts |")
+    print(
+        "| family | exit (1 process; 2) | largest rank's share | residual max abs | router logits max abs | same experts |"
+    )
     print("| --- | --- | ---: | ---: | ---: | --- |")
     for family, entry in report.items():
         if "share" not in entry:

@@ -108,7 +108,9 @@ def main() -> int:
         runs[name] = run_job(f"moe-{name}", processes, job, args.workdir, args.timeout)
         print(f"{name}: {runs[name].seconds:.1f} s")
     one = runs["N=1"].parameter_bytes[0]
-    print("\n| run | rank | parameter bytes (MiB) | / N=1 | predicted | peak RSS (VmHWM) | RssAnon | RssFile | wall s |")
+    print(
+        "\n| run | rank | parameter bytes (MiB) | / N=1 | predicted | peak RSS (VmHWM) | RssAnon | RssFile | wall s |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     predicted = {"N=1": 1.0, "N=2": expected_ratio(model, 2)}
     for name, run in runs.items():
