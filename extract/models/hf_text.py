@@ -453,7 +453,7 @@ KNOWN_PLANS = (
 # where "all_reduce" (transformers' default at inference) runs every rank over every route of the whole
 # batch, masking those of other ranks' experts, then sums. The masked routes cost memory and time in
 # k x T: measured on 2 gloo processes (benchmarks/moe_dispatch.py, RESULTS.md "Mixture of experts"),
-# all_to_all is 18% faster per batch at top-8 (Qwen3-MoE, DeepSeek-V3) and 20-25% slower at top-2, and
+# all_to_all is 17-43% faster per batch at top-8 (Qwen3-MoE, DeepSeek-V3) and within noise at top-2, and
 # extraction runs large batches of top-8 models, where all_reduce's k x T rows per rank also take GPU
 # memory the activations need. See docs/large-models.md for the NCCL arithmetic.
 EXPERT_DISPATCH = "all_to_all"
