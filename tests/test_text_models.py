@@ -365,3 +365,24 @@ def test_a_model_without_sentence_transformers_files_keeps_its_positions(loaded,
         f"--pool model follows a sentence-transformers pipeline, but {dirs['bert'] / 'modules.json'} does not "
         "exist; use --pool mean, max, first, last"
     )
+
+
+def test_tensor_parallel_splits_the_experts_of_an_moe_and_refuses_what_it_cannot_split():
+    """Decided from the config alone (no weights): a Qwen3-MoE's 4 experts split over 2 or 4 ranks, not 3; a
+    Llama is dense; Llama 4's text model has experts but transformers has no expert plan for it."""
+    from types import SimpleNamespace
+
+    from extract.models.hf_text import check_tensor_parallel, splits_experts
+
+    def request(size):
+        return SimpleNamespace(tensor_parallel=SimpleNamespace(size=size), load_weights=True, weights="DEFAULT")
+
+    moe = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2)
+    for size in (2, 4):
+        check_tensor_parallel("moe", moe, request(size))
+    assert splits_experts(moe) and not splits_experts(transformers.LlamaConfig())
+    check_tensor_parallel("llama", transformers.LlamaConfig(), request(3))
+    with pytest.raises(ExtractError, match=r"has 4 experts per MoE block, which do not split over 3 ranks.*such as 2, 4"):
+        check_tensor_parallel("moe", moe, request(3))
+    with pytest.raises(ExtractError, match=r"mixture of experts of type 'llama4_text'.*no expert-parallel plan.*mixtral"):
+        check_tensor_parallel("l4", transformers.Llama4TextConfig(num_local_experts=4), request(2))

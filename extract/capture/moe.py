@@ -37,10 +37,17 @@ ARCHITECTURE = "router"  # what ``latents/BLOCK@router`` records as its architec
 
 
 def _router_child(module: nn.Module) -> str | None:
-    """The name of ``module``'s router child (a ``...TopKRouter`` called ``gate`` or ``router``), if any."""
+    """The name of ``module``'s router child (a ``...TopKRouter`` called ``gate`` or ``router``), if any.
+    Some families call theirs a ``...Gate`` (HunYuan-MoE): one with its own ``num_experts`` and ``top_k``
+    is a top-k router too, where a plain ``nn.Linear`` gate (logits only) is not."""
     for child in ROUTER_CHILDREN:
         sub = getattr(module, child, None)
-        if isinstance(sub, nn.Module) and "router" in type(sub).__name__.lower():
+        if not isinstance(sub, nn.Module):
+            continue
+        kind = type(sub).__name__.lower()
+        if "router" in kind:
+            return child
+        if kind.endswith("gate") and all(isinstance(getattr(sub, a, None), int) for a in ("num_experts", "top_k")):
             return child
     return None
 

@@ -109,9 +109,10 @@ def job_mesh(state: PartialState, tensor_parallel: int | None) -> Mesh:
 
     device = state.device.type
     data = world // size
-    # transformers' own mesh names: its loader shards over "tp", and "dp_replicate" is data parallel
+    # transformers' own mesh names: its loader shards over "tp", and "dp_replicate" is data parallel; an MoE
+    # model's experts are split over "ep", the same ranks as "tp" (ep_size == tp_size: one group shares a batch)
     dense = init_device_mesh(device, (1, data, 1, size), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
-    expert = init_device_mesh(device, (1, data, size, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    expert = init_device_mesh(device, (1, data, 1, size), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
     tensor = dense["tp"]
     return Mesh(
         rank // size, data, tensor.get_local_rank(), size, tensor.get_group(), TensorMeshes(dense, expert, size)

@@ -509,7 +509,7 @@ def _share(
             f"extract: resuming {job.spec.out}: {plan.num_chunks - len(pending)} of {plan.num_chunks} chunks already done"
         )
     if main:
-        log(_plan_line(job, pending))
+        log(_plan_line(job, pending, [size for _, size in hosts]))
     return pending, shares
 
 
@@ -520,14 +520,17 @@ def parameter_bytes(module: nn.Module) -> int:
     )
 
 
-def _plan_line(job: _Job, pending: list[int]) -> str:
+def _plan_line(job: _Job, pending: list[int], held: Sequence[int] = ()) -> str:
     """What is about to happen, in one line: the layers as stored, the rows (samples, documents or
-    tokens), the chunks, the processes and the store's size before compression."""
+    tokens), the chunks, the processes and the store's size before compression; under tensor parallelism,
+    the parameter bytes each rank of the first group holds (``held``, per process), which show the split."""
     plan, processes = job.plan, job.state.num_processes
     layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
     todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
     mesh = job.mesh
     groups = f" as {mesh.data_world} x {mesh.tensor_parallel} (data x tensor parallel)" if mesh.tensor_parallel > 1 else ""
+    if groups and held:
+        groups += f", parameters per rank {' / '.join(f'{size / 2**20:.1f}' for size in held[: mesh.tensor_parallel])} MiB"
     return (
         f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} {job.kind.rows} in {_count(plan.num_chunks, 'chunk')} of "
         f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}{groups}; "

@@ -29,6 +29,7 @@ without importing this module)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -447,6 +448,17 @@ KNOWN_PLANS = (
 )  # fmt: skip
 
 
+# How the tokens of a tensor-parallel group reach the experts split over it (transformers'
+# ``ep_implementation``): "all_to_all" sends each rank's 1/N of the batch to the experts' ranks and back,
+# where "all_reduce" (transformers' default at inference) runs every rank over every route of the whole
+# batch, masking those of other ranks' experts, then sums. The masked routes cost memory and time in
+# k x T: measured on 2 gloo processes (benchmarks/moe_dispatch.py, RESULTS.md "Mixture of experts"),
+# all_to_all is 17-43% faster per batch at top-8 (Qwen3-MoE, DeepSeek-V3) and within noise at top-2, and
+# extraction runs large batches of top-8 models, where all_reduce's k x T rows per rank also take GPU
+# memory the activations need. See docs/large-models.md for the NCCL arithmetic.
+EXPERT_DISPATCH = "all_to_all"
+
+
 @dataclass(frozen=True)
 class TensorMeshes:
     """The device meshes a tensor-parallel group loads its model over, named as transformers names them:
@@ -456,6 +468,7 @@ class TensorMeshes:
     dense: Any
     expert: Any
     size: int
+    experts: bool = False  # the model's experts are split over ``expert["ep"]`` (set by ``build``)
 
 
 def tensor_parallel_types(config_mapping: Any = None) -> list[str]:
@@ -474,13 +487,54 @@ def tensor_parallel_types(config_mapping: Any = None) -> list[str]:
     return found
 
 
+# what MoE configs call their number of routed experts (DeepSeek's ``n_routed_experts`` first: its
+# ``num_experts`` may count the shared ones too)
+EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+# the MoE types named first where a model type has no expert-parallel plan
+KNOWN_EXPERT_PLANS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def expert_count(config: Any) -> int | None:
+    """The routed experts of each MoE block of a (text) config, None where it names none (a dense model)."""
+    for name in EXPERT_COUNTS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def expert_parallel_types(config_mapping: Any = None) -> list[str]:
+    """The causal-LM model types whose configs carry an expert-parallel plan (``base_model_ep_plan``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config_class = (config_mapping or CONFIG_MAPPING)[model_type]
+        except (KeyError, ImportError, AttributeError):
+            continue
+        if getattr(config_class, "base_model_ep_plan", None):
+            found.append(model_type)
+    return found
+
+
+def splits_experts(config: Any) -> bool:
+    """Whether ``--tensor-parallel`` splits this model's experts over the group (transformers' expert plan)."""
+    text = config.get_text_config()
+    return bool(getattr(text, "base_model_ep_plan", None)) and (expert_count(text) or 2) > 1
+
+
 def check_tensor_parallel(name: str, config: Any, request: ModelRequest, size: int | None = None) -> None:
-    """Refused before any weight loads: a model type without transformers' plan, and a random init (the
-    plan shards weights as ``from_pretrained`` loads them). ``size``: the group's, where the request has
-    no meshes yet (the check before the process group, ``extract.models.check_tensor_parallel``)."""
+    """Refused before any weight loads: a model type without transformers' plan, a mixture of experts
+    whose experts the plan would not split over the group (no expert plan, or an expert count N does not
+    divide), and a random init (the plan shards weights as ``from_pretrained`` loads them). ``size``: the
+    group's, where the request has no meshes yet (the check before the process group,
+    ``extract.models.check_tensor_parallel``)."""
     model_type = getattr(config, "model_type", "?")
     size = size if size is not None else request.tensor_parallel.size
-    if not getattr(config.get_text_config(), "base_model_tp_plan", None):
+    text = config.get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
         types = tensor_parallel_types()
         named = [kind for kind in KNOWN_PLANS if kind in types]
         more = len(types) - len(named)
@@ -488,6 +542,22 @@ def check_tensor_parallel(name: str, config: Any, request: ModelRequest, size: i
             f"--tensor-parallel {size}: transformers has no tensor-parallel plan for model type '{model_type}' "
             f"(hf:{name}); types with one: {', '.join(named)} and {more} more; use data parallel alone "
             "(drop --tensor-parallel) or --device-map auto"
+        )
+    experts = expert_count(text)
+    if experts is not None and experts > 1 and not getattr(text, "base_model_ep_plan", None):
+        types = expert_parallel_types()
+        named = [kind for kind in KNOWN_EXPERT_PLANS if kind in types]
+        raise ExtractError(
+            f"--tensor-parallel {size}: hf:{name} is a mixture of experts of type '{model_type}', for which "
+            f"transformers has no expert-parallel plan, so every rank would hold all {experts} experts; types with "
+            f"one: {', '.join(named)} and {len(types) - len(named)} more; use data parallel alone (drop "
+            "--tensor-parallel) or --device-map auto"
+        )
+    if experts is not None and experts > 1 and experts % size:
+        fits = [n for n in range(2, experts + 1) if experts % n == 0][:4]
+        raise ExtractError(
+            f"--tensor-parallel {size}: hf:{name} has {experts} experts per MoE block, which do not split over "
+            f"{size} ranks; give a --tensor-parallel that divides {experts} (such as {', '.join(map(str, fits))})"
         )
     if not request.load_weights or request.weights.lower() == "none":
         raise ExtractError(
@@ -519,8 +589,21 @@ def load_tensor_parallel(auto: Any, source: str, meshes: TensorMeshes, **options
     local = torch.device(device) if device == "cpu" else torch.device(device, torch.accelerator.current_device_index())
     own = mixin.initialize_distributed_mesh
     mixin.initialize_distributed_mesh = lambda config: (local, TransformersDeviceMesh(meshes.dense, meshes.expert))
+    # an MoE model's experts are split over the group too (whole experts per rank, transformers' expert plan);
+    # without it every rank would hold every expert, most of such a model's weights
+    experts = {"ep_size": meshes.size, "ep_implementation": EXPERT_DISPATCH} if meshes.experts else {}
     try:
-        return auto.from_pretrained(source, distributed_config=DistributedConfig(tp_size=meshes.size), **options)
+        return auto.from_pretrained(
+            source, distributed_config=DistributedConfig(tp_size=meshes.size, **experts), **options
+        )
+    except ValueError as e:
+        # an expert count the config does not name (``expert_count``), found uneven as the plan shards it
+        if "Cannot evenly shard" not in str(e):
+            raise
+        raise ExtractError(
+            f"--tensor-parallel {meshes.size}: {e} (transformers' expert plan); give a --tensor-parallel that "
+            "divides the model's expert count"
+        ) from None
     finally:
         mixin.initialize_distributed_mesh = own
 
@@ -556,6 +639,7 @@ def build(name: str, request: ModelRequest) -> TextModel:
     meshes = request.tensor_parallel
     if meshes is not None:
         check_tensor_parallel(name, config, request)
+        meshes = dataclasses.replace(meshes, experts=splits_experts(config))
     if request.load_weights and request.weights.lower() == "default":
 
         def load(source: str, **options: Any) -> Any:

@@ -4,7 +4,7 @@ need no network and no download.
 
 ``real_documents(n)`` gives real text of ragged lengths; ``save_text_model(kind, directory)`` writes
 a GPT-2 (no special tokens added), a Llama (BOS added), a BERT (CLS ... SEP), or a mixture-of-experts
-Mixtral or Qwen2-MoE (the Llama tokenizer) with its tokenizer.
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 or gpt-oss (the Llama tokenizer) with its tokenizer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-MOE = ("mixtral", "qwen2_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 MODULES = ("json", "pathlib", "collections", "functools", "itertools", "argparse", "textwrap", "shutil", "inspect")
 
 
@@ -118,11 +118,29 @@ def save_text_model(kind: str, directory: str | Path, *, positions: int = 256, s
         if kind == "mixtral":
             config = tf.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
             model = tf.MixtralForCausalLM(config)
-        else:  # a shared expert beside 6 routed ones, weights not renormalized over the top k
+        elif kind == "qwen2_moe":  # a shared expert beside 6 routed ones, weights not renormalized over the top k
             config = tf.Qwen2MoeConfig(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
                                        num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1,
                                        **common)  # fmt: skip
             model = tf.Qwen2MoeForCausalLM(config)
+        elif kind == "qwen3_moe":
+            config = tf.Qwen3MoeConfig(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                       norm_topk_prob=True, head_dim=8, **common)  # fmt: skip
+            model = tf.Qwen3MoeForCausalLM(config)
+        elif kind == "olmoe":
+            config = tf.OlmoeConfig(intermediate_size=24, num_experts=4, num_experts_per_tok=2, **common)
+            model = tf.OlmoeForCausalLM(config)
+        elif kind == "deepseek_v3":  # MLA attention, a shared expert, its first layer dense, grouped routing
+            config = tf.DeepseekV3Config(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4,
+                                         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                         qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                         **{**common, "num_key_value_heads": 4})  # fmt: skip
+            model = tf.DeepseekV3ForCausalLM(config)
+        else:  # gpt-oss, unquantized: biased experts, attention sinks, sliding and full layers
+            config = tf.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
+                                     sliding_window=16, **common)  # fmt: skip
+            model = tf.GptOssForCausalLM(config)
     elif kind == "bert":
         tokenizer = bert_tokenizer()
         config = tf.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
