@@ -51,3 +51,155 @@ def _stop_flag_over_a_map_without_cpu(rank: int, world: int, which: str) -> None
 @pytest.mark.parametrize("which", ["default", "new_group"])
 def test_the_tensor_parallel_stop_flag_works_over_nccls_backend_map(which):
     _ranks(2, _stop_flag_over_a_map_without_cpu, which)
+
+
+def _gather_unequal_shards(rank: int, world: int) -> None:
+    from extract.capture.sharded import GroupGather
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    widths = [3, 2, 2][:world]  # 7 features over 3 ranks (or 5 over 2): the first rank holds one more
+    start = sum(widths[:rank])
+    full = torch.arange(4 * sum(widths), dtype=torch.float32).reshape(4, sum(widths))
+    gather = GroupGather(dist.group.WORLD, world, sharded={"x": sum(widths)})
+    for _ in range(2):  # the widths are learnt once, then reused
+        out = gather("x", full[:, start : start + widths[rank]])
+        assert torch.equal(out, full), (rank, out)
+    assert gather("y", full[:, :1]).shape == (4, 1)  # a replicated layer passes through
+
+
+@pytest.mark.parametrize("world", [2])
+def test_all_gather_of_unequal_shards_joins_them_in_rank_order(world):
+    _ranks(world, _gather_unequal_shards)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the nvjpeg decoder: EXIF orientation, the placeholder of a bad image
+
+
+def _photo(orientation: int | None, size: tuple[int, int] = (96, 64)) -> bytes:
+    """A real photograph as a JPEG of ``size`` (w, h) carrying EXIF ``orientation`` (none: no EXIF)."""
+    import io
+
+    import skimage.data
+    from PIL import Image
+
+    image = Image.fromarray(skimage.data.chelsea()).resize(size, Image.LANCZOS)
+    buffer = io.BytesIO()
+    if orientation is None:
+        image.save(buffer, format="JPEG", quality=95)
+    else:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        image.save(buffer, format="JPEG", quality=95, exif=exif)
+    return buffer.getvalue()
+
+
+def _to_float(image):
+    """A transform that takes PIL images and uint8 tensors alike (so the decoder uses it as is)."""
+    import numpy as np
+
+    tensor = image if isinstance(image, torch.Tensor) else torch.from_numpy(np.array(image)).permute(2, 0, 1)
+    return tensor.float() / 255
+
+
+def _cuda_like_decode(monkeypatch) -> list:
+    """torchvision's decode_jpeg as its CUDA branch behaves: ``apply_exif_orientation`` has no effect there."""
+    import torchvision.io as module
+
+    real, calls = module.decode_jpeg, []
+
+    def ignores_exif(data, **kwargs):
+        calls.append(kwargs.get("apply_exif_orientation"))
+        return real(data, **{**kwargs, "apply_exif_orientation": False})
+
+    monkeypatch.setattr(module, "decode_jpeg", ignores_exif)
+    return calls
+
+
+@pytest.mark.parametrize("exif_transpose", [True, False])
+def test_nvjpeg_turns_exif_oriented_jpegs_as_the_pil_path_does(monkeypatch, exif_transpose):
+    from extract.data.decode import Decoding
+    from extract.data.gpu_decode import GpuDecoder, collate_encoded
+
+    calls = _cuda_like_decode(monkeypatch)
+    images = [_photo(o) for o in (6, 8, 3, 1, None)]
+    decoding = Decoding(_to_float, "nvjpeg", exif_transpose=exif_transpose)
+    pil = Decoding(_to_float, exif_transpose=exif_transpose)
+    decoder = GpuDecoder(decoding, {}, torch.device("cpu"), 64, lambda i: f"sample{i}")
+    for i, data in enumerate(images):  # one at a time: the turned ones differ in shape from the others
+        batch, _, indices, errors = collate_encoded([(decoding(data), 0, i, "")])
+        out, errors = decoder(batch, indices, errors)
+        expected = pil(data)
+        assert not any(errors) and out[0].shape == expected.shape, (i, out.shape, expected.shape)
+        diff = (out[0] - expected).abs()
+        assert diff.mean() <= 0.01 and diff.max() <= 0.25, (i, diff.mean(), diff.max())
+    assert calls  # the decoder went through torchvision's decode_jpeg
+
+
+def test_exif_orientation_and_its_turns_match_pil():
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    from extract.data.gpu_decode import exif_orientation, orient
+
+    pixels = np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3)
+    for orientation in range(1, 9):
+        data = _photo(orientation)
+        assert exif_orientation(data) == Image.open(io.BytesIO(data)).getexif().get(0x0112)
+        image = Image.fromarray(pixels)
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        image.info["exif"] = exif.tobytes()
+        upright = np.array(ImageOps.exif_transpose(image))
+        turned = orient(torch.from_numpy(pixels).permute(2, 0, 1), orientation).permute(1, 2, 0).numpy()
+        assert np.array_equal(turned, upright), orientation
+    assert exif_orientation(_photo(None)) == 1
+    assert exif_orientation(_photo(6)[:40]) == 1  # cut inside its EXIF: read as none, never an error
+
+
+def test_the_placeholder_of_a_bad_jpeg_has_the_models_input_size():
+    from torchvision.transforms import functional as F
+
+    from extract.data.decode import Decoding
+    from extract.data.gpu_decode import GpuDecoder, collate_encoded
+
+    def to_32_by_48(image):  # a model whose input is not square: (H, W) = (32, 48)
+        return F.resize(_to_float(image), [32, 48], antialias=True)
+
+    decoding = Decoding(to_32_by_48, "nvjpeg")
+    good = _photo(None, (120, 80))
+    items = [(decoding(data), 0, i, "") for i, data in enumerate([good, good[:300], good])]
+    batch, _, indices, errors = collate_encoded(items)
+    decoder = GpuDecoder(decoding, {}, torch.device("cpu"), (32, 48), lambda i: f"sample{i}")
+    out, errors = decoder(batch, indices, errors)
+    assert out.shape == (3, 3, 32, 48)
+    assert errors[1].startswith("sample1 (") and not errors[0] and not errors[2]
+    assert not out[1].any()
+
+
+def test_the_job_gives_the_decoder_the_models_input_height_and_width(monkeypatch):
+    """The runner passes the model's (H, W), not its longer side (a square placeholder fails torch.stack)."""
+    from types import SimpleNamespace
+
+    from extract.job import runner
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, decoding, preprocessing, device, size, describe):
+            seen["size"] = size
+            self.how = "recorded"
+
+    monkeypatch.setattr(runner, "GpuDecoder", Recorder)
+    monkeypatch.setattr(
+        runner, "attach_decoding", lambda dataset, *a, **k: SimpleNamespace(decoding=None, describe=str)
+    )
+    monkeypatch.setattr(runner, "_check_kinds", lambda *a: None)
+    monkeypatch.setattr(runner, "_data_options", lambda spec: None)
+    spec = SimpleNamespace(decode="nvjpeg")
+    loaded = SimpleNamespace(input_size=(32, 48), preprocess=None, preprocessing={}, kind="images")
+    data = SimpleNamespace(dataset=None, notes=[], gpu_decoder=None)
+    runner._attach_model(spec, SimpleNamespace(device=torch.device("cpu")), data, loaded)
+    assert tuple(seen["size"]) == (32, 48)
