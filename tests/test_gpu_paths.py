@@ -203,3 +203,73 @@ def test_the_job_gives_the_decoder_the_models_input_height_and_width(monkeypatch
     data = SimpleNamespace(dataset=None, notes=[], gpu_decoder=None)
     runner._attach_model(spec, SimpleNamespace(device=torch.device("cpu")), data, loaded)
     assert tuple(seen["size"]) == (32, 48)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the host side of the CUDA path: what goes up for a text batch, the writer thread's device
+
+
+def test_a_text_batch_goes_up_once_from_pinned_memory(monkeypatch):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from extract.job.text import TextBatch
+    from extract.job.text_stage import upload
+
+    pinned, sent = [], []
+    real_to = torch.Tensor.to
+
+    def pin(self):
+        pinned.append(self.data_ptr())
+        return self
+
+    def to(self, *args, **kwargs):
+        sent.append((self.data_ptr(), kwargs.get("non_blocking", False), self.data_ptr() in pinned))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    ids, mask = torch.arange(12).reshape(2, 6), torch.ones(2, 6, dtype=torch.int64)
+    batch = TextBatch(ids, mask, np.arange(10), flat=torch.arange(10))
+    layers = SimpleNamespace(selection=SimpleNamespace(mask=None, flat=None, order=None))
+    inputs = upload(layers, batch, torch.device("meta"), pin=True)  # meta: a device that is not the host
+    assert sorted(inputs) == ["attention_mask", "input_ids"] and inputs["input_ids"].device.type == "meta"
+    assert layers.selection.mask is inputs["attention_mask"]  # the mask went up once, for both
+    assert len(sent) == 3 and all(non_blocking and was_pinned for _, non_blocking, was_pinned in sent), sent
+
+
+def test_the_writer_thread_waits_on_each_event_under_its_device(monkeypatch):
+    import threading
+
+    from extract.capture.staging import HostStaging, Slot
+
+    active: list = [None]
+    seen: dict = {}
+
+    class Guard:  # torch.cuda.device, on a machine without CUDA
+        def __init__(self, device):
+            self.device, self.before = device, None
+
+        def __enter__(self):
+            self.before, active[0] = active[0], self.device
+
+        def __exit__(self, *exc):
+            active[0] = self.before
+
+    class Event:
+        def synchronize(self):
+            seen["device while waiting"] = active[0]
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.setdefault("thread's device", device))
+    staging = HostStaging({"x": (4,)}, batch_size=2, dtype=torch.float32, device=torch.device("cpu"), slots=1)
+    staging._home = 1  # as on the GPU of rank 1
+    slot = Slot({"x": torch.zeros(2, 4)}, {})
+    gpu = torch.device("cuda", 1)
+    slot.sources.add(gpu)
+    slot.events[gpu] = Event()
+    writer = threading.Thread(target=staging.ready, args=(slot,))
+    writer.start()
+    writer.join()
+    assert seen == {"device while waiting": gpu, "thread's device": 1}
