@@ -76,7 +76,9 @@ class TextJob:
         corpus = self.corpus
         if corpus.packing is not None:
             contexts = self.num_documents
-            return TextArrays(self.offsets, np.full(contexts, -1, np.int32), np.ones(contexts, bool), corpus.lengths)
+            return TextArrays(
+                self.offsets, np.full(contexts, -1, np.int32), np.ones(contexts, bool), corpus.lengths
+            )
         valid = corpus.valid
         if not self.per_token:  # a document without tokens has no pooled row (NaN): not valid for readers
             valid = valid & (corpus.lengths > 0)
