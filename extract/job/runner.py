@@ -275,14 +275,7 @@ def _set_up_layers(
         example = {name: value.to(device) for name, value in loaded.example(2, device).items()}
         gather = group_gather(module, refs, mesh.group, mesh.tensor_parallel) if mesh.group is not None else None
         text_layers = setup_text_layers(
-            loaded,
-            module,
-            refs,
-            spec.pool,
-            example,
-            autocast,
-            loaded.model_pooling,
-            dtype=getattr(torch, spec.dtype),
+            loaded, module, refs, spec.pool, example, autocast, loaded.model_pooling, dtype=getattr(torch, spec.dtype),
             gather=gather,
         )
         return _Model(
@@ -326,6 +319,7 @@ def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: Loade
     )
     if spec.decode == "nvjpeg":
         device = state.device
+        # the model's (H, W): a bad image's placeholder must stack with the others
         data.gpu_decoder = GpuDecoder(
             dataset.decoding, loaded.preprocessing, device, loaded.input_size, dataset.describe
         )
@@ -485,8 +479,7 @@ def _share(
 def parameter_bytes(module: nn.Module) -> int:
     """The bytes of the parameters this process holds: under tensor parallelism, its shards alone."""
     return sum(
-        (p.to_local() if hasattr(p, "to_local") else p).nbytes
-        for p in module.parameters()  # a DTensor's shard
+        (p.to_local() if hasattr(p, "to_local") else p).nbytes for p in module.parameters()  # a DTensor's shard
     )
 
 
@@ -497,9 +490,7 @@ def _plan_line(job: _Job, pending: list[int]) -> str:
     layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
     todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
     mesh = job.mesh
-    groups = (
-        f" as {mesh.data_world} x {mesh.tensor_parallel} (data x tensor parallel)" if mesh.tensor_parallel > 1 else ""
-    )
+    groups = f" as {mesh.data_world} x {mesh.tensor_parallel} (data x tensor parallel)" if mesh.tensor_parallel > 1 else ""
     return (
         f"extract: {layers} as {job.spec.dtype}; {plan.num_samples} {job.kind.rows} in {_count(plan.num_chunks, 'chunk')} of "
         f"{plan.chunk_size}{todo}; {_count(processes, 'process', 'processes')}{groups}; "
