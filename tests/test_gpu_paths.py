@@ -77,21 +77,9 @@ def test_all_gather_of_unequal_shards_joins_them_in_rank_order(world):
 
 
 def _photo(orientation: int | None, size: tuple[int, int] = (96, 64)) -> bytes:
-    """A real photograph as a JPEG of ``size`` (w, h) carrying EXIF ``orientation`` (none: no EXIF)."""
-    import io
+    from helpers.data_files import exif_jpeg
 
-    import skimage.data
-    from PIL import Image
-
-    image = Image.fromarray(skimage.data.chelsea()).resize(size, Image.LANCZOS)
-    buffer = io.BytesIO()
-    if orientation is None:
-        image.save(buffer, format="JPEG", quality=95)
-    else:
-        exif = Image.Exif()
-        exif[0x0112] = orientation
-        image.save(buffer, format="JPEG", quality=95, exif=exif)
-    return buffer.getvalue()
+    return exif_jpeg(orientation, size)
 
 
 def _to_float(image):
