@@ -6,5 +6,5 @@
 # tests/conftest.py) instead of skipping every test and exiting 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export EXTRACT_REQUIRE_CUDA=1
+export EXTRACT_REQUIRE_CUDA="${EXTRACT_REQUIRE_CUDA:-1}"  # 0: the dry run (collects only)
 exec "${PY:-${PYTHON:-python}}" -m pytest -p no:xdist -p no:cacheprovider -o addopts="" -m cuda -q -rs "$@"

@@ -33,8 +33,8 @@ status=0
 
 # step NAME SECONDS [--dry ARG... --] CMD...: run CMD with a timeout (at most what is left of the budget),
 # log to $OUTDIR/NAME.log, remember a failure. Under --dry-run: pytest (or cuda_tests.sh) collects only; a
-# script runs with the --dry arguments instead of its own where given (the program and script kept), else
-# with --help.
+# script runs with the --dry arguments instead of its own where given (after the program and the script),
+# else with --help.
 step() {
   local name=$1 seconds=$2
   shift 2
@@ -86,7 +86,7 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-step environment 15 --dry benchmarks/check_imports.py -- "$PY" benchmarks/check_imports.py
+step environment 30 "$PY" benchmarks/check_imports.py
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1
 if [ "$DRY" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   echo "gpu_check: no CUDA device (torch.cuda.is_available() is False): nothing here would check the GPU;" \
@@ -132,28 +132,28 @@ step tensor_parallel 60 "$PY" benchmarks/gpu_tensor_parallel.py --workdir /tmp/e
   --json "$OUTDIR/gpu_tensor_parallel.json"
 
 # --sae on CUDA against the same job on the CPU: latents, values and each chunk's statistics.
-step sae 60 --dry benchmarks/gpu_sae.py --device cpu --documents 8 --workdir /tmp/extract-gpu-sae -- \
+step sae 60 --dry --device cpu --documents 8 --workdir /tmp/extract-gpu-sae -- \
   "$PY" benchmarks/gpu_sae.py --workdir /tmp/extract-gpu-sae --json "$OUTDIR/gpu_sae.json"
 
 # -- the decode, the benchmarks and the sources --------------------------------------------------------------
 # --decode nvjpeg against the CPU path: pixels within 0.5 (mean 0.03) after normalization, stored
 # features within 5% (tolerances documented in tests/test_cuda_decode.py); then nvjpeg img/s.
 step nvjpeg 45 bash benchmarks/cuda_tests.sh tests/test_cuda_decode.py --junitxml="$OUTDIR/test_cuda_decode.xml"
-step decode 40 --dry benchmarks/decode_throughput.py --small 4 --large 1 --repeats 1 --no-e2e --no-results \
+step decode 40 --dry --small 4 --large 1 --repeats 1 --no-e2e --no-results \
   --workdir /tmp/extract-decode-bench -- \
   "$PY" benchmarks/decode_throughput.py --small 240 --large 48 --repeats 2 --no-e2e --no-results \
   --workdir /tmp/extract-decode-bench --json "$OUTDIR/decode_throughput_cuda.json"
 
 # resnet50 layer3+layer4, batch 256, bf16 autocast, channels_last; side-stream (HostStaging) vs
 # compute-stream (value.to('cpu')) copies for (d) and (e); (f) is the CLI end to end.
-step benchmark 60 --dry benchmarks/hook_overhead.py --device cpu --model resnet18 --image-size 32 --batch-size 4 \
+step benchmark 60 --dry --device cpu --model resnet18 --image-size 32 --batch-size 4 \
   --batches 1 --repeats 1 --warmup 0 --cli-samples 8 --workdir /tmp/extract-gpu-bench -- \
   "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
   --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 2 --warmup 2 \
   --copy both --cli-samples 1024 --workdir /tmp/extract-gpu-bench --json "$OUTDIR/hook_overhead_cuda.json"
 
 # (e) alone with more writer threads: on a GPU the writer (encode + write on the CPU) is the limit.
-step writer_threads 40 --dry benchmarks/hook_overhead.py --device cpu --model resnet18 --image-size 32 \
+step writer_threads 40 --dry --device cpu --model resnet18 --image-size 32 \
   --batch-size 4 --batches 1 --repeats 1 --warmup 0 --variants be --writer-threads 2 --no-micro -- \
   "$PY" benchmarks/hook_overhead.py --model resnet50 --layers layer3 layer4 \
   --batch-size 256 --precision bf16 --channels-last --batches 8 --repeats 2 --warmup 1 --variants be \
@@ -164,17 +164,17 @@ step sources 60 "$PY" benchmarks/gpu_sources.py --samples 1024 --compare 64 --js
 
 # A per-token job of a GPT-2-width LM (transformer.h.1, context 128) on CUDA in bf16 against the fp32 CPU
 # run of its first documents: token ids/offsets identical, rows within 5e-2 of their scale; tok/s.
-step tokens 45 --dry benchmarks/gpu_tokens.py --device cpu --tokens 200 --compare-tokens 100 \
+step tokens 45 --dry --device cpu --tokens 200 --compare-tokens 100 \
   --workdir /tmp/extract-gpu-tokens -- \
   "$PY" benchmarks/gpu_tokens.py --tokens 50000 --compare-tokens 4096 \
   --workdir /tmp/extract-gpu-tokens --json "$OUTDIR/gpu_tokens.json"
 
-step tokens_mapped 45 --dry benchmarks/gpu_tokens.py --device cpu --device-map --tokens 200 --compare-tokens 100 \
+step tokens_mapped 45 --dry --device cpu --device-map --tokens 200 --compare-tokens 100 \
   --workdir /tmp/extract-gpu-tokens -- \
   "$PY" benchmarks/gpu_tokens.py --device-map --tokens 20000 --compare-tokens 4096 \
   --workdir /tmp/extract-gpu-tokens --json "$OUTDIR/gpu_tokens_mapped.json"
 
-step rss 45 --dry benchmarks/hook_overhead.py --device cpu --rss-check --rss-n 16 32 --batch-size 8 -- \
+step rss 45 --dry --device cpu --rss-check --rss-n 16 32 --batch-size 8 -- \
   "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
 

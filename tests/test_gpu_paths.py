@@ -261,3 +261,55 @@ def test_the_writer_thread_waits_on_each_event_under_its_device(monkeypatch):
     writer.start()
     writer.join()
     assert seen == {"device while waiting": gpu, "thread's device": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the GPU check, here where there is no CUDA
+
+
+def _gpu_check_test_lines() -> list[list[str]]:
+    """The commands of benchmarks/gpu_check.sh's steps that run pytest, as argument lists for this machine."""
+    import shlex
+    import sys
+
+    from helpers import ROOT
+
+    text = (ROOT / "benchmarks" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        if not line.startswith("step ") or not ("cuda_tests.sh" in line or "-m pytest" in line):
+            continue
+        words = shlex.split(line.replace('"$PY"', shlex.quote(sys.executable)).replace("$OUTDIR", "/tmp"))[3:]
+        if words[0] == "--dry":
+            words = words[words.index("--") + 1 :]
+        commands.append(words)
+    return commands
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what the GPU check does without CUDA")
+def test_the_gpu_checks_test_steps_fail_without_cuda_and_say_why():
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    commands = _gpu_check_test_lines()
+    assert len(commands) >= 4, commands
+    env = {k: v for k, v in os.environ.items() if k not in ("EXTRACT_REQUIRE_CUDA", "PYTEST_ADDOPTS")}
+    env["PY"] = sys.executable
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        said = done.stdout + done.stderr
+        assert done.returncode != 0, (command, said[-2000:])
+        assert "torch.cuda.is_available() is False" in said and "unrecognized arguments" not in said, said[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what the GPU check does without CUDA")
+def test_the_gpu_check_fails_without_cuda(tmp_path):
+    import subprocess
+
+    from helpers import ROOT
+
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 1 and "no CUDA device" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
