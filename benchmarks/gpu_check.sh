@@ -4,8 +4,9 @@
 #   bash benchmarks/gpu_check.sh [OUTDIR]             (default: $OUT, else ./gpu-check)
 #   bash benchmarks/gpu_check.sh --dry-run [OUTDIR]   (any machine: shows that every step starts)
 #
-# Expects Python 3.12 with torch (CUDA) and accelerate. If `import zarr` fails, installs the wheels in
-# $EXTRACT_WHEELS (default .whl; the list is in benchmarks/README.md) into /tmp/site without the network.
+# Expects Python 3.12 with torch (CUDA) and accelerate. Where a module a step imports is missing
+# (benchmarks/check_imports.py), installs the wheels in $EXTRACT_WHEELS (default .whl; the list is in
+# benchmarks/README.md) into /tmp/site without the network.
 # Fails (exit 1) without a CUDA device: nothing here would check the GPU. Every step has a timeout of at
 # most 60 s, and the whole run a budget of $GPU_CHECK_BUDGET seconds (590): a step the budget cannot
 # start is reported as not run, and fails the check.
@@ -26,6 +27,7 @@ mkdir -p "$OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 PY="${PYTHON:-python}"
 export PY
+export PYTHONUNBUFFERED=1  # a step cut by its timeout still shows how far it got
 WHEELS="${EXTRACT_WHEELS:-.whl}"
 BUDGET="${GPU_CHECK_BUDGET:-590}"
 export EXTRACT_GPU_CHECK_OUT="$OUTDIR"  # where tests record measured deviations (deviations.jsonl)
@@ -78,8 +80,8 @@ step() {
 
 : >"$OUTDIR/summary.txt"
 [ "$DRY" = 1 ] && echo "DRY RUN: each step only shown to start" | tee -a "$OUTDIR/summary.txt"
-if ! "$PY" -c 'import zarr' 2>/dev/null; then
-  echo "zarr missing: installing from $WHEELS" | tee -a "$OUTDIR/summary.txt"
+if ! "$PY" benchmarks/check_imports.py >/dev/null 2>&1 && compgen -G "$WHEELS/*.whl" >/dev/null; then
+  echo "modules missing (benchmarks/check_imports.py): installing the wheels in $WHEELS" | tee -a "$OUTDIR/summary.txt"
   step install 30 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -128,7 +130,7 @@ step stop_flag 30 bash benchmarks/cuda_tests.sh tests/test_cuda_paths.py -k "sto
 # --tensor-parallel 2 over NCCL (one group of 2 GPUs, and 2 groups with 4 or more) against one GPU: gathered
 # o_proj@input / down_proj@input and the residual within 1e-3 of scale, verify clean, and each process on its
 # own GPU only (nvidia-smi --query-compute-apps); skipped on one GPU.
-step tensor_parallel 60 "$PY" benchmarks/gpu_tensor_parallel.py --workdir /tmp/extract-gpu-tp \
+step tensor_parallel 60 --dry --workdir /tmp/extract-gpu-tp -- "$PY" benchmarks/gpu_tensor_parallel.py --workdir /tmp/extract-gpu-tp \
   --json "$OUTDIR/gpu_tensor_parallel.json"
 
 # --sae on CUDA against the same job on the CPU: latents, values and each chunk's statistics.
