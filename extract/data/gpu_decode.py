@@ -149,6 +149,12 @@ class GpuDecoder:
     def _decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        if self.stream is not None:
+            # torchvision allocates the decoded images on the current stream (ours, see __call__) and fills them
+            # on a private stream that does not wait for it: nothing queued on ours may still use a block the
+            # allocator can hand out, so everything queued there is finished first (earlier decodes and
+            # transforms only, never a forward)
+            self.stream.synchronize()
         # torchvision's CUDA decoder ignores apply_exif_orientation ("only implemented for JPEG format on
         # CPU") where PIL's path honours --exif-transpose: the orientation is applied here instead, on every
         # device alike, so that one store never mixes turned and unturned photographs.
@@ -174,12 +180,11 @@ class GpuDecoder:
         # torchvision allocates the decoded images on the caller's current stream and fills them on a private
         # stream that does not wait for it: on the compute stream, a block the queued forward of the previous
         # batch has freed but not finished reading could receive pixels under it. So the decode runs with a
-        # stream of ours current: its outputs come from that stream's blocks, and the synchronize below
-        # (which waits for our earlier decodes only, never for a forward) makes sure nothing queued still
-        # uses any of them. The compute stream then waits for the batch, and the batch's block is kept from
-        # our stream until the forward that reads it is done (record_stream).
+        # stream of ours current: its outputs come from that stream's blocks, and ``_decode`` synchronizes it
+        # (our earlier decodes and transforms only, never a forward) so that nothing queued still uses any of
+        # them. The compute stream then waits for the batch, and the batch's block is kept from our stream
+        # until the forward that reads it is done (record_stream).
         compute = torch.cuda.current_stream(self.device)
-        self.stream.synchronize()
         with torch.cuda.stream(self.stream):
             batch, errors = self._batch(images, indices, errors)
         compute.wait_stream(self.stream)
