@@ -13,7 +13,8 @@
 #
 # --dry-run: no CUDA needed. pytest steps collect their tests (--collect-only), a script with a CPU mode
 # runs it (`--device cpu` where it has one) and the others print their --help; each for at most 45 s
-# (one still running then has started: past its imports and its arguments). What it shows: every step's command starts, and what it imports is there.
+# (one still running then has started: past its imports and its arguments). What it shows: every step's
+# command starts, and what it imports is there.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
