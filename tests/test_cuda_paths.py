@@ -205,3 +205,28 @@ def test_the_stop_flag_over_nccl_on_one_gpu():
             assert mesh.agree_to_stop(None) is None and mesh.agree_to_stop(15) == 15
     finally:
         dist.destroy_process_group()
+
+
+def test_a_text_batch_goes_up_pinned_and_once(monkeypatch):
+    from types import SimpleNamespace
+
+    from extract.job.text import TextBatch
+    from extract.job.text_stage import upload
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    real_pin, pinned = torch.Tensor.pin_memory, []
+
+    def pin(self):
+        out = real_pin(self)
+        pinned.append(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    ids, mask = torch.arange(12).reshape(2, 6), torch.ones(2, 6, dtype=torch.int64)
+    batch = TextBatch(ids, mask, np.arange(10), flat=torch.arange(10))
+    layers = SimpleNamespace(selection=SimpleNamespace(mask=None, flat=None, order=None))
+    inputs = upload(layers, batch, device)
+    torch.cuda.synchronize()
+    assert len(pinned) == 3 and all(p.is_pinned() for p in pinned)
+    assert layers.selection.mask is inputs["attention_mask"] and inputs["input_ids"].device == device
+    assert torch.equal(inputs["input_ids"].cpu(), ids) and torch.equal(layers.selection.flat.cpu(), batch.flat)
