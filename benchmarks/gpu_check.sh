@@ -105,7 +105,7 @@ step tests 45 bash benchmarks/cuda_tests.sh tests/test_cuda.py -k "not full_pipe
 
 # record_stream held behind a sleep on the copy stream (and the same check seeing the corruption without it);
 # float16 overflow refused on the device, the model's own inf kept; the writer thread's device; --sae
-# statistics in pinned memory with the slot.
+# statistics in pinned memory with the slot; a text batch up from pinned memory, its mask once.
 step staging 45 bash benchmarks/cuda_tests.sh tests/test_cuda_paths.py \
   -k "record_stream or overflow or writer_thread or sae_statistics or text_batch" --junitxml="$OUTDIR/test_cuda_staging.xml"
 
