@@ -12,7 +12,7 @@
 # start is reported as not run, and fails the check.
 #
 # --dry-run: no CUDA needed. pytest steps collect their tests (--collect-only), a script with a CPU mode
-# runs it (`--device cpu` where it has one) and the others print their --help; each for at most 45 s
+# runs it (`--device cpu` where it has one) and the others print their --help; each for at most 60 s
 # (one still running then has started: past its imports and its arguments). What it shows: every step's
 # command starts, and what it imports is there.
 set -uo pipefail
@@ -48,7 +48,7 @@ step() {
     shift
   fi
   if [ "$DRY" = 1 ]; then
-    seconds=45
+    seconds=60
     if [[ " $* " == *" -m pytest "* || " $* " == *"cuda_tests.sh "* ]]; then
       set -- env EXTRACT_REQUIRE_CUDA=0 "$@" --collect-only
     elif [ "${#dry[@]}" -gt 0 ]; then
@@ -83,7 +83,7 @@ step() {
 [ "$DRY" = 1 ] && echo "DRY RUN: each step only shown to start" | tee -a "$OUTDIR/summary.txt"
 if ! "$PY" benchmarks/check_imports.py >/dev/null 2>&1 && compgen -G "$WHEELS/*.whl" >/dev/null; then
   echo "modules missing (benchmarks/check_imports.py): installing the wheels in $WHEELS" | tee -a "$OUTDIR/summary.txt"
-  step install 30 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl
+  step install 60 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
