@@ -81,13 +81,15 @@ def _stored(values: Any, dtype: str) -> Any:
     return host_values(values.to(getattr(torch, dtype)))
 
 
-def _timed(run: Any) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
+def _timed(run: Any) -> tuple[float, float, float]:
+    """Wall seconds, user and system CPU seconds of the process (all its threads) over ``run()``."""
+    wall, before = time.perf_counter(), os.times()
     run()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    after = os.times()
+    return time.perf_counter() - wall, after.user - before.user, after.system - before.system
 
 
-def case_zarr(source: Any, dtype: str, total_rows: int, chunk: int, root: Path, ours: bool) -> tuple[float, float]:
+def case_zarr(source: Any, dtype: str, total_rows: int, chunk: int, root: Path, ours: bool) -> tuple[float, ...]:
     import zarr
 
     qualname = "extract.store.checksum.Crc32cCodec" if ours else "zarr.codecs.crc32c_.Crc32cCodec"
@@ -108,7 +110,7 @@ def case_zarr(source: Any, dtype: str, total_rows: int, chunk: int, root: Path, 
         return _timed(run)
 
 
-def case_file(source: Any, dtype: str, total_rows: int, chunk: int, root: Path) -> tuple[float, float]:
+def case_file(source: Any, dtype: str, total_rows: int, chunk: int, root: Path) -> tuple[float, ...]:
     rows = _stored(source, dtype)
     (root / "f").mkdir()
 
@@ -122,7 +124,7 @@ def case_file(source: Any, dtype: str, total_rows: int, chunk: int, root: Path) 
 
 def case_writer(
     source: Any, dtype: str, total_rows: int, chunk: int, root: Path, threads: int, kind: str, batch: int
-) -> tuple[float, float]:
+) -> tuple[float, ...]:
     import numpy as np
     import torch
 
@@ -222,17 +224,19 @@ def case_job(dtype: str, width: int, megabytes: float, root: Path, workdir: Path
         ]  # fmt: skip
         args += ["--pool", "mean"] if docs else []
         args += ["--writer-threads", str(threads)] if threads else []
-        wall, cpu = _timed(lambda args=args: main(args))
+        wall, user, system = _timed(lambda args=args: main(args))
         stored = sum(f.stat().st_size for f in (out / "features").rglob("*") if f.is_file())
-        runs.append((wall, cpu, stored / 1e9))
+        runs.append((wall, user, system, stored / 1e9))
         shutil.rmtree(out)
-    (w0, c0, g0), (w1, c1, g1) = runs
-    return w1 - w0, c1 - c0, g1 - g0
+    return tuple(large - small for small, large in zip(*runs, strict=True))
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from extract.job.memory import keep_freed_memory
+
+    keep_freed_memory()  # as a CPU job does (extract/job/memory.py), for every variant alike
     try:
         from extract.store import checksum  # noqa: F401 - this tree's codec (zarrx); a tree before it has none
     except ImportError:
@@ -249,7 +253,7 @@ def worker(args: argparse.Namespace) -> None:
         root = Path(tempfile.mkdtemp(dir=workdir))
         try:
             if variant.startswith("job"):
-                wall, cpu, gb = case_job(dtype, width, args.job_megabytes, root, workdir, variant == "job-docs", threads)
+                wall, user, system, gb = case_job(dtype, width, args.job_megabytes, root, workdir, variant == "job-docs", threads)
             else:
                 chunk = chunk_rows(width, dtype)
                 total = max(2 * chunk, int(args.megabytes * 2**20 / (width * ITEM[dtype])) // chunk * chunk)
@@ -259,15 +263,15 @@ def worker(args: argparse.Namespace) -> None:
                 source = sources[width]
                 gb = total * width * ITEM[dtype] / 1e9
                 if variant in ("zarr", "zarrx"):
-                    wall, cpu = case_zarr(source, dtype, total, chunk, root, variant == "zarrx")
+                    wall, user, system = case_zarr(source, dtype, total, chunk, root, variant == "zarrx")
                 elif variant == "file":
-                    wall, cpu = case_file(source, dtype, total, chunk, root)
+                    wall, user, system = case_file(source, dtype, total, chunk, root)
                 else:
                     kind = "images" if variant == "writer-image" else "tokens"
-                    wall, cpu = case_writer(source[:batch], dtype, total, chunk, root, threads or 2, kind, batch)
+                    wall, user, system = case_writer(source[:batch], dtype, total, chunk, root, threads or 2, kind, batch)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        results.append({**case, "wall": wall, "cpu": cpu, "gb": gb})
+        results.append({**case, "wall": wall, "user": user, "system": system, "cpu": user + system, "gb": gb})
     print("RESULT " + json.dumps(results))
 
 
@@ -348,21 +352,26 @@ def summarize(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tree": tree, "variant": variant, "dtype": dtype, "width": width, "threads": threads,
             "gb_per_s": statistics.median(r["gb"] / r["wall"] for r in runs if r["wall"] > 0),
             "cpu_s_per_gb": statistics.median(r["cpu"] / r["gb"] for r in runs),
+            "user_s_per_gb": statistics.median(r["user"] / r["gb"] for r in runs),
             "runs": len(runs),
         })  # fmt: skip
-    zarr = {(r["dtype"], r["width"]): r["cpu_s_per_gb"] for r in rows if r["variant"] == "zarr"}
-    zarr_any = statistics.median(zarr.values()) if zarr else math.nan
-    for r in rows:  # against zarr alone on the same dtype and width (the jobs: the median over all)
-        r["x_zarr"] = r["cpu_s_per_gb"] / zarr.get((r["dtype"], r["width"]), zarr_any)
+    for measure in ("cpu", "user"):  # against zarr alone on the same dtype and width (jobs: same dtype, any width)
+        zarr = {(r["dtype"], r["width"]): r[f"{measure}_s_per_gb"] for r in rows if r["variant"] == "zarr"}
+        for r in rows:
+            same = [v for (d, _), v in zarr.items() if d == r["dtype"]]
+            base = zarr.get((r["dtype"], r["width"]), statistics.median(same) if same else math.nan)
+            r[f"x_zarr_{measure}"] = r[f"{measure}_s_per_gb"] / base
     return rows
 
 
 def report(table: list[dict[str, Any]]) -> None:
-    print(f"\n{'tree':<7} {'variant':<13} {'dtype':<9} {'width':>5} {'thr':>3} {'GB/s':>6} {'CPU-s/GB':>8} {'x zarr':>6}")
+    print(f"\n{'tree':<7} {'variant':<13} {'dtype':<9} {'width':>5} {'thr':>3} {'GB/s':>6} {'CPU-s/GB':>8} "
+          f"{'x zarr':>6} {'user/GB':>7} {'x zarr':>6}")  # fmt: skip
     for r in table:
         print(
             f"{r['tree']:<7} {r['variant']:<13} {r['dtype']:<9} {r['width']:>5} {r['threads'] or '':>3} "
-            f"{r['gb_per_s']:>6.2f} {r['cpu_s_per_gb']:>8.3f} {r['x_zarr']:>6.2f}"
+            f"{r['gb_per_s']:>6.2f} {r['cpu_s_per_gb']:>8.3f} {r['x_zarr_cpu']:>6.2f} {r['user_s_per_gb']:>7.3f} "
+            f"{r['x_zarr_user']:>6.2f}"
         )
 
 

@@ -63,11 +63,18 @@ class _OpenChunk:
         shapes: Mapping[str, tuple[int, ...]],
         dtype: np.dtype,
         codes: Mapping[str, tuple[int, int, str]],
+        spare: dict[str, list[np.ndarray]],
     ) -> None:
         self.chunk = chunk
         self.start, self.stop = plan.bounds(chunk)
         rows = self.stop - self.start
-        self.features = {name: np.empty((rows, *shape), dtype=dtype) for name, shape in shapes.items()}
+        self.features = {}
+        for name, shape in shapes.items():
+            kept = spare.get(name)
+            if kept and len(kept[-1]) == rows:  # every chunk but the store's last has the plan's rows
+                self.features[name] = kept.pop()
+            else:
+                self.features[name] = np.empty((rows, *shape), dtype=dtype)
         self.codes = {
             layer: latents.ChunkCodes(
                 np.full((rows, k), -1, np.int32), np.zeros((rows, k), values_dtype), latents.empty_stats(d_sae)
@@ -125,7 +132,10 @@ class ChunkWriter:
         self._queue: queue.Queue[_Item | None] = queue.Queue(staging.num_slots)
         self._open: dict[int, _OpenChunk] = {}
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write", initializer=_one_thread)
-        self._inflight: deque[Future[dict[str, int]]] = deque()
+        self._inflight: deque[tuple[Future[dict[str, int]], _OpenChunk]] = deque()
+        # the feature buffers of written chunks, filled again by the next ones: a fresh 16 MiB array per
+        # chunk and layer is faulted in page by page (kernel time, as much as writing it to the page cache)
+        self._spare: dict[str, list[np.ndarray]] = {name: [] for name in self.shapes}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="extract-writer", daemon=True)
         self._thread.start()
@@ -245,7 +255,7 @@ class ChunkWriter:
 
     def _opened(self, chunk: int) -> _OpenChunk:
         if chunk not in self._open:
-            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype, self.codes)
+            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype, self.codes, self._spare)
         return self._open[chunk]
 
     def _columns(self, chunk: int, columns: dict[str, np.ndarray]) -> None:
@@ -267,7 +277,7 @@ class ChunkWriter:
                 self.infinite[name] += dtypes.count_infinite(values)
         while len(self._inflight) >= self.threads:
             self._finish(self._inflight.popleft())
-        self._inflight.append(
+        self._inflight.append((
             self._pool.submit(
                 self.store.write_chunk,
                 chunk.chunk,
@@ -278,10 +288,14 @@ class ChunkWriter:
                 None if self.rows_only else chunk.valid,
                 chunk.columns,
                 chunk.codes,
-            )  # fmt: skip
-        )
+            ),
+            chunk,
+        ))  # fmt: skip
 
-    def _finish(self, write: Future[dict[str, int]]) -> None:
+    def _finish(self, written: tuple[Future[dict[str, int]], _OpenChunk]) -> None:
+        write, chunk = written
         for name, infinite in write.result().items():
             self.infinite[name] += infinite
         self.chunks_written += 1
+        for name, values in chunk.features.items():
+            self._spare[name].append(values)
