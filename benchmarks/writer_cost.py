@@ -255,7 +255,9 @@ def worker(args: argparse.Namespace) -> None:
         root = Path(tempfile.mkdtemp(dir=workdir))
         try:
             if variant.startswith("job"):
-                wall, user, system, gb = case_job(dtype, width, args.job_megabytes, root, workdir, variant == "job-docs", threads)
+                wall, user, system, gb = case_job(
+                    dtype, width, args.job_megabytes, root, workdir, variant == "job-docs", threads
+                )
             else:
                 chunk = chunk_rows(width, dtype)
                 total = max(2 * chunk, int(args.megabytes * 2**20 / (width * ITEM[dtype])) // chunk * chunk)
@@ -271,7 +273,9 @@ def worker(args: argparse.Namespace) -> None:
                     wall, user, system = case_file(source, dtype, total, chunk, root)
                 else:
                     kind = "images" if variant == "writer-image" else "tokens"
-                    wall, user, system = case_writer(source[:batch], dtype, total, chunk, root, threads or 2, kind, batch)
+                    wall, user, system = case_writer(
+                        source[:batch], dtype, total, chunk, root, threads or 2, kind, batch
+                    )
         finally:
             shutil.rmtree(root, ignore_errors=True)
         if case.get("warm"):
@@ -339,7 +343,9 @@ def main() -> None:
     table = summarize(raw)
     report(table)
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "args": sys.argv[1:], "raw": raw, "table": table}, indent=1))
+        args.json.write_text(
+            json.dumps({"machine": machine(), "args": sys.argv[1:], "raw": raw, "table": table}, indent=1)
+        )
 
 
 def machine() -> dict[str, Any]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from helpers.stats_reference import BOUND, reference_row
+from helpers.stats_reference import BOUND, assert_close_to_float64, reference_row, staged_store
 from helpers.stores import array_store
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
@@ -82,25 +82,6 @@ def numpy_stats(values: np.ndarray) -> dict:
     }
 
 
-def assert_close_to_float64(got: dict, values: np.ndarray) -> None:
-    """The merged statistics against numpy's float64 over the rows without a NaN, within what the
-    contract's float32 blocks allow (``BOUND`` of the magnitudes summed; docs/store-format.md)."""
-    rows = values.reshape(len(values), -1).astype(np.float64)
-    rows = rows[~np.isnan(rows).any(axis=1)]
-    expected = numpy_stats(rows)
-    assert got["count"] == expected["count"]
-    slack = 1.01  # the float64 steps' own rounding, far below the float32 blocks'
-    mean_error = BOUND * np.abs(rows).mean(axis=0) * slack + 1e-15
-    assert got["mean"].shape == values.shape[1:] or got["mean"].size == rows.shape[1]
-    assert (np.abs(got["mean"].ravel() - expected["mean"]) <= mean_error).all()
-    squares = np.square(rows).mean(axis=0)
-    variance_error = BOUND * (squares + 2 * np.abs(expected["mean"]) * np.abs(rows).mean(axis=0)) * slack + 1e-15
-    assert (np.abs(np.square(got["std"].ravel()) - np.square(expected["std"])) <= variance_error).all()
-    assert got["mean_norm"] == pytest.approx(expected["mean_norm"], rel=1e-6)  # float32 row sums (pairwise)
-    assert got["max_abs"] == expected["max_abs"]
-    assert (got["float16_overflow"], got["infinite"]) == (expected["float16_overflow"], expected["infinite"])
-
-
 def assert_stats_equal_numpy(path, layer: str) -> dict:
     """Each chunk's recorded row equals the contract's arithmetic spelled out (``reference_row``) bit for
     bit, and ``stats(layer)`` numpy's float64 over the stored values within the contract's bound."""
@@ -125,7 +106,9 @@ def assert_stats_equal_numpy(path, layer: str) -> dict:
             row = rows[k]
             assert row[0] == expected["count"] and row[2] == expected["max_abs"]
             magnitudes = np.abs(chunk[~np.isnan(chunk).any(axis=1)].astype(np.float64)).sum(axis=0)
-            assert (np.abs(row[len(HEAD) : len(HEAD) + chunk.shape[1]] - expected["sum"]) <= BOUND * magnitudes * 1.01).all()
+            assert (
+                np.abs(row[len(HEAD) : len(HEAD) + chunk.shape[1]] - expected["sum"]) <= BOUND * magnitudes * 1.01
+            ).all()
     return got
 
 
@@ -349,3 +332,57 @@ def test_chunk_row_is_the_contract_bit_for_bit(dtype, shape, channel_axis):
     finally:
         stats_module.SLAB_VALUES = slab
     np.testing.assert_array_equal(again, row)
+
+
+def _layers(n: int = 150) -> dict[str, np.ndarray]:
+    """Rows of 1-D features and maps kept whole, a NaN sample, the model's inf, values past float16."""
+    rng = np.random.default_rng(3)
+    flat = (rng.standard_normal((n, 300)) * np.exp(rng.normal(0, 2, 300))).astype(np.float32)
+    flat[17] = np.nan
+    flat[40, 3], flat[41, 5] = np.inf, 70000.0
+    maps = rng.standard_normal((n, 24, 3, 5)).astype(np.float32)
+    maps[90, :, 1, 1] = np.nan
+    return {"h": flat, "m": maps}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_statistics_computed_where_the_rows_are_equal_the_hosts_bit_for_bit(tmp_path, dtype):
+    """The device path (``block_stats.py``, here run by torch on the CPU: the same elementwise float32
+    operations a GPU runs) computes whole blocks of each chunk's rows before the copy; the host the rest.
+    The store's statistics equal the host's alone and the contract's spelled out, for batches that cut
+    the chunks and their blocks anywhere (and so, for any number of processes)."""
+    layers = _layers()
+    if dtype == "float16":
+        layers["h"] = np.where(np.abs(layers["h"]) > 65504, np.inf, layers["h"]).astype(np.float32)
+    alone = staged_store(tmp_path / "host.zarr", layers, dtype, 64, 50, "cpu", device_stats=False)
+    expected = {layer: alone.array(f"stats/{layer}")[:] for layer in layers}
+    for batch in (7, 50, 64, 150):
+        store = staged_store(tmp_path / f"device-{batch}.zarr", layers, dtype, 64, batch, "cpu", device_stats=True)
+        for layer in layers:
+            np.testing.assert_array_equal(store.array(f"stats/{layer}")[:], expected[layer], err_msg=f"{layer} {batch}")
+    stored = open_features(tmp_path / "device-64.zarr", allow_partial=True).load("m", dtype="float32")  # exact
+    for k in range(3):
+        row = reference_row(stored[k * 64 : (k + 1) * 64], channel_axis=1)
+        np.testing.assert_array_equal(expected["m"][k], row)
+
+
+def test_device_blocks_skip_the_hosts_work_and_keep_its_bits(monkeypatch):
+    """``block_stats`` + ``Partial``: whole blocks only, aligned on the chunk's first row; a slab the device
+    covers is taken as it is (a poisoned buffer would show), one it does not is computed on the host."""
+    from extract.capture.block_stats import block_stats, stored_rows
+    from extract.store import stats
+    from extract.store.stats import Partial
+
+    monkeypatch.setattr(stats, "SLAB_VALUES", 16 * 300)  # slabs of one block
+    values = _layers(96)["h"].astype(np.float16)
+    host = chunk_row(values)
+    partial = Partial(96 // 16, 300)
+    for first, end in ((0, 37), (37, 96)):  # two batches: rows 32..47 form the block the cut leaves out
+        part = block_stats(stored_rows(torch.from_numpy(values[first:end]), None), first)
+        partial.add(part.numpy())
+    assert partial.covered.tolist() == [True, True, False, True, True, True]
+    np.testing.assert_array_equal(chunk_row(values, partial=partial), host)
+    partial.sums[0] = 1e30  # a covered slab is read from the partial, not recomputed
+    assert chunk_row(values, partial=partial)[len(HEAD)] > 1e29
+    partial.sums[2] = 1e30  # an uncovered one is the host's
+    assert chunk_row(values, partial=partial)[len(HEAD)] > 1e29 and partial.covered.sum() == 5

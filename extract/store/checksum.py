@@ -38,9 +38,7 @@ class Crc32cCodec(crc32c_.Crc32cCodec):
         stored = bytes(data[-CHECKSUM_BYTES:])
         computed = crc32c(inner).to_bytes(CHECKSUM_BYTES, "little")
         if computed != stored:  # zarr's own message: callers match on it
-            raise ValueError(
-                f"Stored and computed checksum do not match. Stored: {stored!r}. Computed: {computed!r}."
-            )
+            raise ValueError(f"Stored and computed checksum do not match. Stored: {stored!r}. Computed: {computed!r}.")
         return chunk_spec.prototype.buffer.from_array_like(inner)
 
     def _encode_sync(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> Buffer | None:

@@ -24,18 +24,17 @@ stored data are.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..names.stats import BLOCK_ROWS, FLOAT16_MAX
 from .dtypes import count_infinite
 
 STATS = "stats"  # the group of ``stats/<layer>`` arrays; stores written before statistics have none
 HEAD = ("count", "sum_norm", "max_abs", "float16_overflow", "infinite")  # then sum (F,) and sumsq (F,)
-FLOAT16_MAX = 65504.0
-# rows per block of the float32 sums (``chunk_row``): float64 work is 1/BLOCK_ROWS of the values'
-BLOCK_ROWS = 16
 # values converted to float32 at a time (512 KB): the two buffers stay in cache
 SLAB_VALUES = 2**17
 
@@ -85,7 +84,45 @@ def _as_float32(values: np.ndarray, bfloat16: bool, out: np.ndarray) -> np.ndarr
     return out
 
 
-def chunk_row(values: np.ndarray, channels: int | None = None, bfloat16: bool = False) -> np.ndarray:
+@dataclass
+class Partial:
+    """Whole blocks of a chunk's rows whose statistics were computed where the rows were (a GPU:
+    ``extract.capture.block_stats``), bit for bit as ``chunk_row`` computes them; ``chunk_row`` computes
+    only the slabs these do not cover."""
+
+    blocks: int
+    features: int
+    sums: np.ndarray = field(init=False)
+    squares: np.ndarray = field(init=False)
+    norm_squared: np.ndarray = field(init=False)
+    peak: np.ndarray = field(init=False)
+    beyond: np.ndarray = field(init=False)
+    infinite: np.ndarray = field(init=False)
+    covered: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sums = np.zeros((self.blocks, self.features), dtype=np.float32)
+        self.squares = np.zeros_like(self.sums)
+        self.norm_squared = np.zeros(self.blocks * BLOCK_ROWS, dtype=np.float32)
+        self.peak = np.zeros(self.blocks, dtype=np.float32)
+        self.beyond = np.zeros(self.blocks, dtype=np.int64)
+        self.infinite = np.zeros(self.blocks, dtype=np.int64)
+        self.covered = np.zeros(self.blocks, dtype=bool)
+
+    def add(self, part: Mapping[str, np.ndarray | int]) -> None:
+        """Blocks ``first_block``.. of a batch (``BlockStats.numpy()``)."""
+        first = int(part["first_block"])  # type: ignore[arg-type]
+        sums = np.asarray(part["sums"])
+        at = slice(first, first + len(sums))
+        self.sums[at], self.squares[at] = sums, part["squares"]
+        self.norm_squared[first * BLOCK_ROWS : (first + len(sums)) * BLOCK_ROWS] = part["norm_squared"]
+        self.peak[at], self.beyond[at], self.infinite[at] = part["peak"], part["beyond"], part["infinite"]
+        self.covered[at] = True
+
+
+def chunk_row(
+    values: np.ndarray, channels: int | None = None, bfloat16: bool = False, partial: Partial | None = None
+) -> np.ndarray:
     """The statistics row, (5 + 2F,) float64, of a chunk's ``values`` (samples, ...) as stored (bfloat16:
     its bits, ``bfloat16=True``): of each sample's flattened row, or with ``channels`` (the channel axis,
     ``channel_axis``) of each position's channel vector. The arithmetic, exactly (docs/store-format.md):
@@ -102,7 +139,8 @@ def chunk_row(values: np.ndarray, channels: int | None = None, bfloat16: bool = 
 
     Every step is a fixed sequence of IEEE float32/float64 additions and multiplications over the chunk's
     values, so the row is the same for any batching and process count. The float32 block sums are within
-    (BLOCK_ROWS - 1) * 2^-24 of the sum of |x| (of x^2) of the block from the exact ones."""
+    (BLOCK_ROWS - 1) * 2^-24 of the sum of |x| (of x^2) of the block from the exact ones. ``partial``:
+    blocks computed on a device (the same bits); a slab all of whose blocks it covers is not computed here."""
     if channels is None:
         values, positions = values.reshape(len(values), -1), 1
     else:  # a view: each slab is moved into the float32 buffer, never the whole chunk copied
@@ -127,6 +165,19 @@ def chunk_row(values: np.ndarray, channels: int | None = None, bfloat16: bool = 
         stored = values[start : start + step]
         size = len(stored) * positions
         first = start * positions
+        at = first // BLOCK_ROWS
+        if partial is not None and size % BLOCK_ROWS == 0 and partial.covered[at : at + size // BLOCK_ROWS].all():
+            span = slice(at, at + size // BLOCK_ROWS)  # computed on the device: taken as it is
+            block_sums[span], block_squares[span] = partial.sums[span], partial.squares[span]
+            norm_squared = partial.norm_squared[first : first + size]
+            nan = np.isnan(norm_squared)
+            if nan.any():
+                kept[first : first + size] = ~nan
+            np.sqrt(norm_squared.astype(np.float64), out=norms[first : first + size])
+            peak = max(peak, float(partial.peak[span].max()))
+            beyond += int(partial.beyond[span].sum()) + int(partial.infinite[span].sum())
+            infinite += int(partial.infinite[span].sum())
+            continue
         block = _as_float32(stored, bfloat16, buffer[:size])
         square = np.multiply(block, block, out=square_buffer[:size])
         norm_squared = np.add.reduce(square, axis=1)
@@ -145,7 +196,6 @@ def chunk_row(values: np.ndarray, channels: int | None = None, bfloat16: bool = 
             beyond += int(np.count_nonzero(magnitude > FLOAT16_MAX))
         peak = max(peak, slab_peak)
         whole = size // BLOCK_ROWS * BLOCK_ROWS  # a slab is whole blocks, but for the chunk's last
-        at = first // BLOCK_ROWS
         if whole:
             shaped = (whole // BLOCK_ROWS, BLOCK_ROWS, features)
             np.add.reduce(block[:whole].reshape(shaped), axis=1, out=block_sums[at : at + shaped[0]])

@@ -203,11 +203,13 @@ class FeatureStore:
         valid: np.ndarray | None,
         columns: Mapping[str, np.ndarray] | None = None,
         codes: Mapping[str, latents.ChunkCodes] | None = None,
+        partials: Mapping[str, stats.Partial] | None = None,
     ) -> dict[str, int]:
         """Write one whole chunk of every array and its layers' statistics (``stats.py``), record its
         objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no
         labels or valid: theirs were written at creation; a token store passes its token rows'
         ``columns`` (``token_ids``, ``special``...) and its ``--sae`` layers' ``codes`` (``latents.py``).
+        ``partials``: statistics of blocks of a layer's rows computed on the device (the same bits; ``stats.py``).
         Returns the ±inf values of each layer with statistics (which count them)."""
         infinite = {}
         for name, values in (columns or {}).items():
@@ -218,7 +220,8 @@ class FeatureStore:
             if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
                 rows = self.array(f"{STATS}/{layer}")
                 stored = np.asarray(values, dtype=array.dtype)  # bfloat16: its bits, as given
-                row = stats.chunk_row(stored, rows.attrs.get("channel_axis"), dtypes.is_bfloat16(array))
+                partial = (partials or {}).get(layer)
+                row = stats.chunk_row(stored, rows.attrs.get("channel_axis"), dtypes.is_bfloat16(array), partial)
                 rows[chunk] = row
                 infinite[layer] = stats.infinite(row, stored)
         if labels is not None:

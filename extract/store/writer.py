@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CastOverflowError, LockLostError, WriterError
 from ..names import Kind
-from . import dtypes, latents
+from . import dtypes, latents, stats
 from .chunks import Plan, chunk_segments
 from .location import described, from_object_storage
 from .store import FeatureStore
@@ -23,10 +23,13 @@ from .store import FeatureStore
 class Slot(Protocol):
     """One staged batch: a host buffer per layer (``extract.capture.staging.Slot`` is one) and, with
     ``--sae``, the statistics of its rows of each chunk per layer (objects with a ``numpy()``:
-    ``LatentStats``). The writer names only what it reads, so that the store imports nothing of capture."""
+    ``LatentStats``), and the statistics of whole blocks of each chunk's rows computed on the device
+    (``block_stats``: per layer, per chunk, objects with a ``numpy()``: ``BlockStats``). The writer names
+    only what it reads, so that the store imports nothing of capture."""
 
     buffers: dict[str, torch.Tensor]
     latent_stats: dict[str, dict[int, Any]]
+    block_stats: dict[str, dict[int, Any]]
 
 
 class Staging(Protocol):
@@ -85,6 +88,7 @@ class _OpenChunk:
         self.valid = np.zeros(rows, dtype=bool)
         self.filled = 0
         self.columns: dict[str, np.ndarray] | None = None  # a token chunk's token rows (``submit_columns``)
+        self.partials: dict[str, stats.Partial] = {}  # statistics of blocks computed on the device
 
     @property
     def full(self) -> bool:
@@ -237,6 +241,7 @@ class ChunkWriter:
                     values[at] = dtypes.host_values(slot.buffers[name][first:end]) if slot is not None else nan
                 if slot is not None:
                     self._codes(open_chunk, slot, at, first, end)
+                    self._block_stats(open_chunk, slot)
                 open_chunk.labels[at] = labels[first:end]
                 open_chunk.valid[at] = valid[first:end]
                 open_chunk.filled += rows
@@ -252,6 +257,22 @@ class ChunkWriter:
             part.indices[at] = slot.buffers[latents.indices_path(layer)][first:end].numpy()
             part.values[at] = slot.buffers[latents.values_path(layer)][first:end].numpy()
             part.stats = latents.merge(part.stats, slot.latent_stats[layer][open_chunk.chunk].numpy())
+
+    def _block_stats(self, open_chunk: _OpenChunk, slot: Slot) -> None:
+        """The blocks of this chunk whose statistics the device computed from the batch (``stats.Partial``)."""
+        for layer, parts in getattr(slot, "block_stats", {}).items():
+            part = parts.get(open_chunk.chunk)
+            if part is None:
+                continue
+            part = part.numpy()
+            features = part["sums"].shape[1]
+            positions = int(np.prod(self.shapes[layer])) // features
+            rows = (open_chunk.stop - open_chunk.start) * positions
+            partial = open_chunk.partials.get(layer)
+            if partial is None:
+                blocks = -(-rows // stats.BLOCK_ROWS)
+                partial = open_chunk.partials[layer] = stats.Partial(blocks, features)
+            partial.add(part)
 
     def _opened(self, chunk: int) -> _OpenChunk:
         if chunk not in self._open:
@@ -269,6 +290,8 @@ class ChunkWriter:
 
     def _write(self, chunk: _OpenChunk) -> None:
         invalid = ~chunk.valid
+        if invalid.any():  # their rows become NaN below, after the device saw them: the host recomputes all
+            chunk.partials.clear()
         counted = set(self.store.stats_layers() or ())  # their statistics count the infinities
         for name, values in chunk.features.items():
             if invalid.any():  # rows of text stores are all valid here (empty documents come as NaN)
@@ -288,6 +311,7 @@ class ChunkWriter:
                 None if self.rows_only else chunk.valid,
                 chunk.columns,
                 chunk.codes,
+                chunk.partials,
             ),
             chunk,
         ))  # fmt: skip

@@ -55,3 +55,63 @@ def reference_row(values: np.ndarray, channel_axis: int | None = None) -> np.nda
             int(np.count_nonzero(np.isinf(kept))),
         ]
     return np.concatenate([np.array(head, dtype=np.float64), total, squares])
+
+
+def assert_close_to_float64(got: dict, values: np.ndarray) -> None:
+    """The merged statistics against numpy's float64 over the rows without a NaN, within what the
+    contract's float32 blocks allow (``BOUND`` of the magnitudes summed; docs/store-format.md)."""
+    rows = values.reshape(len(values), -1).astype(np.float64)
+    rows = rows[~np.isnan(rows).any(axis=1)]
+    expected = {
+        "count": len(rows), "mean": rows.mean(axis=0), "std": rows.std(axis=0),
+        "mean_norm": np.linalg.norm(rows, axis=1).mean(), "max_abs": np.abs(rows).max(),
+        "float16_overflow": int((np.isfinite(rows) & (np.abs(rows) > 65504)).sum()), "infinite": int(np.isinf(rows).sum()),
+    }  # fmt: skip
+    assert got["count"] == expected["count"]
+    slack = 1.01  # the float64 steps' own rounding, far below the float32 blocks'
+    mean_error = BOUND * np.abs(rows).mean(axis=0) * slack + 1e-15
+    assert got["mean"].shape == values.shape[1:] or got["mean"].size == rows.shape[1]
+    assert (np.abs(got["mean"].ravel() - expected["mean"]) <= mean_error).all()
+    squares = np.square(rows).mean(axis=0)
+    variance_error = BOUND * (squares + 2 * np.abs(expected["mean"]) * np.abs(rows).mean(axis=0)) * slack + 1e-15
+    assert (np.abs(np.square(got["std"].ravel()) - np.square(expected["std"])) <= variance_error).all()
+    assert abs(got["mean_norm"] - expected["mean_norm"]) <= 1e-6 * expected["mean_norm"]  # float32 row sums
+    assert got["max_abs"] == expected["max_abs"]
+    assert (got["float16_overflow"], got["infinite"]) == (expected["float16_overflow"], expected["infinite"])
+
+
+def staged_store(path, layers: dict, dtype: str, chunk_size: int, batch: int, device, device_stats: bool):
+    """An image store of ``layers`` (name -> (N, ...) float32 array; 4-D ones kept whole in NCHW) written
+    the job's way: ``HostStaging`` (on ``device``; the statistics of whole blocks computed there when
+    ``device_stats``), ``ChunkWriter``, ``write_chunk``, in batches of ``batch`` rows. Returns the store."""
+    import torch
+
+    from extract.capture.staging import HostStaging
+    from extract.store.chunks import Plan
+    from extract.store.store import FeatureStore
+    from extract.store.writer import ChunkWriter
+
+    n = len(next(iter(layers.values())))
+    shapes = {name: values.shape[1:] for name, values in layers.items()}
+    layouts = {name: "NCHW" for name, values in layers.items() if values.ndim == 4}
+    store = FeatureStore.create(
+        path, shapes=shapes, num_samples=n, chunk_size=chunk_size, dtype=dtype, compressor="none",
+        attrs={"status": "running", "layers": list(layers), "num_samples": n, "chunk_size": chunk_size},
+        layouts=layouts,
+    )  # fmt: skip
+    stats = {layer: store.array(f"stats/{layer}").attrs.get("channel_axis") for layer in store.stats_layers()}
+    staging = HostStaging(
+        shapes, batch, getattr(torch, dtype), torch.device(device), slots=2, stats=stats, chunk_size=chunk_size,
+        device_stats=device_stats,
+    )  # fmt: skip
+    writer = ChunkWriter(store, staging, Plan(n, chunk_size), shapes, threads=2)
+    for start in range(0, n, batch):
+        indices = torch.arange(start, min(n, start + batch))
+        slot = staging.acquire(writer.check)
+        staging.rows = indices.numpy()
+        for name, values in layers.items():
+            staging.stage(name, torch.from_numpy(values[start : start + batch]).to(device))
+        staging.seal(slot)
+        writer.submit(slot, indices, torch.zeros(len(indices), dtype=torch.int64), np.ones(len(indices), bool))
+    writer.close()
+    return store
