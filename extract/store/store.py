@@ -176,6 +176,11 @@ class FeatureStore:
                 ]
         return None if self._stats_layers is None else list(self._stats_layers)
 
+    def stats_axes(self) -> dict[str, int | None]:
+        """Each layer with statistics and its rows' channel axis (None: each sample's flattened row), as a
+        device that computes them (``HostStaging``'s ``stats``) needs them."""
+        return {layer: self.array(f"{STATS}/{layer}").attrs.get("channel_axis") for layer in self.stats_layers() or []}
+
     def done_flags(self) -> np.ndarray:
         """``done`` as (K,) bool; a ``done`` object that fails its checksum counts as not done."""
         done = self.array("done")
