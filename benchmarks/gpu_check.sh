@@ -85,6 +85,15 @@ step tensor_parallel 40 "$PY" benchmarks/gpu_tensor_parallel.py --workdir /tmp/e
 step rss 45 "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"
 
+# Issue 45: the writer alone at width 8192 in bfloat16 (a 70B model's residual stream), its batches staged
+# from the GPU (pinned slots, side-stream copies, the statistics of whole blocks computed on the device),
+# with 1, 2, 4 and 8 writer threads, against zarr alone on the same rows: the GB/s one process sustains.
+# A GPU that produces more per process than the writer's GB/s waits on it. (Adds 50 s to the sum above.)
+step writer_gpu 50 "$PY" benchmarks/writer_cost.py --device cuda --variants zarr,writer --dtypes bfloat16 \
+  --widths 8192 --threads 1 2 4 8 --repeats 1 --megabytes 512 --workdir /tmp/extract-writer-gpu \
+  --json "$OUTDIR/writer_cost_cuda.json"
+rm -rf /tmp/extract-writer-gpu
+
 rm -rf /tmp/extract-gpu-tp /tmp/extract-gpu-bench /tmp/extract-gpu-rss /tmp/extract-decode-bench /tmp/extract-gpu-tokens
 echo "logs and JSON in $OUTDIR" | tee -a "$OUTDIR/summary.txt"
 exit "$status"

@@ -123,7 +123,8 @@ def case_file(source: Any, dtype: str, total_rows: int, chunk: int, root: Path) 
 
 
 def case_writer(
-    source: Any, dtype: str, total_rows: int, chunk: int, root: Path, threads: int, kind: str, batch: int
+    source: Any, dtype: str, total_rows: int, chunk: int, root: Path, threads: int, kind: str, batch: int,
+    device: str = "cpu",
 ) -> tuple[float, ...]:
     import numpy as np
     import torch
@@ -148,7 +149,10 @@ def case_writer(
     )  # fmt: skip
     store.integrity.digests_array(), store.stats_layers()  # the existence checks, outside the timing
     plan = Plan(total_rows, chunk)
-    staging = HostStaging({"h": (width,)}, batch, getattr(torch, dtype), torch.device("cpu"), slots=4)
+    # a tree from before statistics on the device has no ``stats`` to give the staging
+    extra = {"stats": store.stats_axes(), "chunk_size": chunk} if hasattr(store, "stats_axes") else {}
+    staging = HostStaging({"h": (width,)}, batch, getattr(torch, dtype), torch.device(device), slots=4, **extra)
+    source = source.to(device)
     writer = ChunkWriter(store, staging, plan, {"h": (width,)}, threads=threads)
     columns = {"token_ids": np.ones(chunk, dtype=np.int32), "special": np.zeros(chunk, dtype=bool)}
     labels = torch.zeros(batch, dtype=torch.int64)
@@ -157,6 +161,7 @@ def case_writer(
         for start in range(0, total_rows, batch):
             n = min(batch, total_rows - start)
             slot = staging.acquire(writer.check)
+            staging.rows = np.arange(start, start + n)  # on a GPU: the statistics of whole blocks there
             staging.stage("h", source[:n])
             staging.seal(slot)
             if kind == "tokens":
@@ -236,7 +241,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from extract.job.memory import keep_freed_memory
 
-    keep_freed_memory()  # as a CPU job does (extract/job/memory.py), for every variant alike
+    if args.device == "cpu":
+        keep_freed_memory()  # as a CPU job does (extract/job/memory.py), for every variant alike
     try:
         from extract.store import checksum  # noqa: F401 - this tree's codec (zarrx); a tree before it has none
     except ImportError:
@@ -291,7 +297,7 @@ def run_worker(tree: Path, cases: list[dict[str, Any]], args: argparse.Namespace
     env = {**os.environ, "PYTHONPATH": str(tree)}
     command = [
         sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(cases), "--workdir", args.workdir,
-        "--megabytes", str(args.megabytes), "--job-megabytes", str(args.job_megabytes),
+        "--megabytes", str(args.megabytes), "--job-megabytes", str(args.job_megabytes), "--device", args.device,
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -314,6 +320,7 @@ def main() -> None:
     parser.add_argument("--base-tree", type=Path, help="another checkout, measured in the same run (before)")
     parser.add_argument("--tree", type=Path, default=ROOT)
     parser.add_argument("--workdir", default="/tmp/extract-writer-cost")
+    parser.add_argument("--device", default="cpu", help="where the writer's batches come from (cuda: D2H copies)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
