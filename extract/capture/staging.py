@@ -158,6 +158,8 @@ class HostStaging:
         """The statistics of the whole blocks of each chunk's contiguous rows of the batch (``stored``: its
         values in the storage dtype); rows that are not contiguous in their chunk are left to the host."""
         rows, axis = np.asarray(self.rows, dtype=np.int64), self.stats[name]
+        if len(rows) != len(stored):  # rows that are not the batch's samples one for one: the host's to do
+            return
         parts = slot.block_stats.setdefault(name, {})
         positions = 1 if axis is None else math.prod(stored.shape[1:]) // stored.shape[axis]
         chunks = rows // self.chunk_size
