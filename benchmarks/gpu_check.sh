@@ -185,6 +185,17 @@ step expert_parallel 40 --dry --workdir /tmp/extract-gpu-ep -- "$PY" benchmarks/
   --workdir /tmp/extract-gpu-ep --json "$OUTDIR/gpu_expert_parallel.json"
 rm -rf /tmp/extract-gpu-ep
 
+# Issue 45: the writer alone at width 8192 in bfloat16 (a 70B model's residual stream), its batches staged
+# from the GPU (pinned slots, side-stream copies, the statistics of whole blocks computed on the device),
+# with 1, 2, 4 and 8 writer threads, against zarr alone on the same rows: the GB/s one process sustains.
+# A GPU that produces more per process than the writer's GB/s waits on it.
+step writer_gpu 50 --dry --device cpu --variants zarr,writer --dtypes bfloat16 --widths 8192 --threads 1 2 \
+  --repeats 1 --megabytes 16 --workdir /tmp/extract-writer-gpu -- \
+  "$PY" benchmarks/writer_cost.py --device cuda --variants zarr,writer --dtypes bfloat16 \
+  --widths 8192 --threads 1 2 4 8 --repeats 1 --megabytes 512 --workdir /tmp/extract-writer-gpu \
+  --json "$OUTDIR/writer_cost_cuda.json"
+rm -rf /tmp/extract-writer-gpu
+
 step rss 45 --dry --device cpu --rss-check --rss-n 16 32 --batch-size 8 -- \
   "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \
   --workdir /tmp/extract-gpu-rss --json "$OUTDIR/rss_cuda.json"

@@ -52,7 +52,10 @@ def image_loop(
     spec, device = job.spec, job.state.device
     workers = LoaderWorkerSignals()
     loader = _loader(job, chunks, workers)
-    staging = HostStaging(job.shapes, spec.batch_size, getattr(torch, spec.dtype), device)
+    staging = HostStaging(
+        job.shapes, spec.batch_size, getattr(torch, spec.dtype), device, stats=store.stats_axes(),
+        chunk_size=job.plan.chunk_size,
+    )  # fmt: skip
     threads = spec.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
     stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
@@ -113,6 +116,7 @@ def _forward(
             if not (valid.all() or job.spec.skip_bad_images):
                 return next(error for error in errors if error)
             slot = staging.acquire(writer.check)
+            staging.rows = indices.numpy()  # a GPU computes each chunk's statistics of the batch's rows
             model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
             staging.seal(slot)
             writer.submit(slot, indices, labels, valid)
