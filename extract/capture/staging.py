@@ -11,8 +11,8 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import fields
-from typing import TYPE_CHECKING
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,8 @@ from .block_stats import BlockStats, block_stats, stored_rows
 if TYPE_CHECKING:
     from .moe import RouterCodes
     from .sae import LatentStats, SaeEncoder
+
+_Stats = TypeVar("_Stats", "LatentStats", BlockStats)
 
 
 class Slot:
@@ -37,7 +39,7 @@ class Slot:
         # --sae: per layer, the statistics (on the device) of the batch's rows of each chunk
         self.latent_stats: dict[str, dict[int, LatentStats]] = {}
         # --sae on CUDA: pinned host copies of those statistics, by (layer, segment), allocated once and reused
-        self.stats_buffers: dict[tuple[str, int], LatentStats] = {}
+        self.stats_buffers: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
         # per layer, the statistics (on the device) of the whole blocks of each chunk's rows of the batch
         self.block_stats: dict[str, dict[int, BlockStats]] = {}
         self.checked: set[str] = set()
@@ -177,7 +179,7 @@ class HostStaging:
             offset = int(rows[first]) - int(chunks[first]) * self.chunk_size
             part = block_stats(stored_rows(stored[first:end], axis), offset * positions)
             if part is not None:
-                parts[int(chunks[first])] = part
+                parts[int(chunks[first])] = self._copy_stats(slot, ("blocks", name, len(parts)), part)
 
     def _encode(self, slot: Slot, name: str, value: torch.Tensor) -> None:
         """The layer's codes, each chunk's rows of the batch with their own statistics (a batch may straddle
@@ -191,26 +193,29 @@ class HostStaging:
             on_device = encoder.new_stats(rows.device)
             codes = encoder.encode(rows[first:end], on_device)
             indices[first:end], values[first:end] = codes.indices, codes.values
-            stats[chunk] = self._copy_stats(slot, (name, segment), on_device)
+            stats[chunk] = self._copy_stats(slot, ("latents", name, segment), on_device)
         self._copy(slot, indices_path(name), indices)
         self._copy(slot, values_path(name), values)
 
-    def _copy_stats(self, slot: Slot, key: tuple[str, int], stats: LatentStats) -> LatentStats:
-        """On CUDA, the statistics copied with the slot's codes into pinned host tensors: the writer reads them
-        after the slot's event, where a ``.cpu()`` of device tensors on its thread would wait for whatever
-        forward is queued by then (and make that thread a context on the current device)."""
-        if stats.count.device.type != "cuda":
+    def _copy_stats(self, slot: Slot, key: tuple[str, str, int], stats: _Stats) -> _Stats:
+        """On CUDA, statistics (a dataclass of device tensors: ``LatentStats``, ``BlockStats``) copied with the
+        slot's rows into pinned host tensors, allocated once per ``key`` and reused while their shapes hold: the
+        writer reads them after the slot's event, where a ``.cpu()`` of device tensors on its thread would wait
+        for whatever forward is queued by then (and make that thread a context on the current device)."""
+        tensors = {f.name: value for f in fields(stats) if isinstance(value := getattr(stats, f.name), torch.Tensor)}
+        if next(iter(tensors.values())).device.type != "cuda":
             return stats
         host = slot.stats_buffers.get(key)
-        if host is None or host.count.shape != stats.count.shape:
+        if host is None or any(
+            host[name].shape != value.shape or host[name].dtype != value.dtype for name, value in tensors.items()
+        ):
             with torch.inference_mode(False):  # like the pool: buffers, not inference tensors
-                host = slot.stats_buffers[key] = type(stats)(**{
-                    f.name: torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                    for f in fields(stats) for value in [getattr(stats, f.name)]
-                })  # fmt: skip
-        for f in fields(stats):
-            self._copy_into(slot, getattr(host, f.name), getattr(stats, f.name))
-        return host
+                host = slot.stats_buffers[key] = {
+                    name: torch.empty(value.shape, dtype=value.dtype, pin_memory=True) for name, value in tensors.items()
+                }
+        for name, value in tensors.items():
+            self._copy_into(slot, host[name], value)
+        return replace(stats, **host)
 
     def _copy(self, slot: Slot, path: str, value: torch.Tensor) -> None:
         """A fresh device tensor (nothing in the forward touches it) into buffer ``path``."""
