@@ -107,7 +107,7 @@ step tests 45 bash benchmarks/cuda_tests.sh tests/test_cuda.py -k "not full_pipe
 # float16 overflow refused on the device, the model's own inf kept; the writer thread's device; --sae
 # statistics in pinned memory with the slot; a text batch up from pinned memory, its mask once.
 step staging 45 bash benchmarks/cuda_tests.sh tests/test_cuda_paths.py \
-  -k "record_stream or overflow or writer_thread or sae_statistics or text_batch" --junitxml="$OUTDIR/test_cuda_staging.xml"
+  -k "record_stream or overflow or writer_thread or sae_statistics or block_statistics or text_batch" --junitxml="$OUTDIR/test_cuda_staging.xml"
 
 # resnet18 through the CLI's runner on CUDA against the CPU float32 reference: fp32 (TF32 off) and bf16
 # compute; float16 and bfloat16 storage, NCHW and channels_last.
