@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from ..errors import ExtractError
 from ..names import COMPRESSORS, DECODES
+from ..names.options import Check, Option, declared_options, flag_of, option
 from ..store.location import Location, parse
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -41,43 +42,6 @@ OUTSIDE_IDENTITY = {
     # to the CPU would run other kernels; on GPUs each layer runs whole on one, as without the dispatch
     "device_map": "each layer runs whole on one GPU, with the kernels and shapes it has without the dispatch",
 }
-
-# A text, or a function making it: some help lists what registries hold, known only once their sources are
-# imported; resolving it when the parser is built keeps ``import extract`` from importing every source.
-Text = str | Callable[[], str]
-# A check of one option's value (never None): raises ExtractError naming the flag it is given.
-Check = Callable[[str, Any], None]
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a job option appears on the command line and in the flag reference."""
-
-    help: Text  # --help's text
-    metavar: str | None = None  # --help's name for the value (argparse's default, the dest in capitals, if None)
-    flag: str | None = None  # the flag, when it is not --field-name (a boolean on by default: --no-NAME)
-    check: Check | None = None  # run by JobSpec.validate on a value that is not None
-    reference: Text | None = None  # the reference's longer text (markdown; README links as #anchor); help if None
-
-    def help_text(self) -> str:
-        return self.help if isinstance(self.help, str) else self.help()
-
-    def reference_text(self) -> str:
-        text = self.help if self.reference is None else self.reference
-        return text if isinstance(text, str) else text()
-
-
-def option(
-    *,
-    help: Text,
-    metavar: str | None = None,
-    flag: str | None = None,
-    check: Check | None = None,
-    reference: Text | None = None,
-) -> dict[str, Option]:
-    """A ``JobSpec`` field's metadata: ``field(default=..., metadata=option(help=...))``."""
-    return {"option": Option(help=help, metavar=metavar, flag=flag, check=check, reference=reference)}
-
 
 def _at_least_one(flag: str, value: int) -> None:
     if value < 1:
@@ -584,18 +548,7 @@ def batching(options: Mapping[str, Any], text: bool) -> dict[str, Any]:
 
 def job_options() -> list[tuple[Field[Any], Option]]:
     """Every ``JobSpec`` field with its declaration, in field order (--help's and the reference's order)."""
-    declared = []
-    for f in fields(JobSpec):
-        if not isinstance(f.metadata.get("option"), Option):  # a field without a flag is a bug, not a choice
-            raise TypeError(f"JobSpec.{f.name} has no option(...) in its field metadata")
-        declared.append((f, f.metadata["option"]))
-    return declared
-
-
-def flag_of(f: Field[Any]) -> str:
-    """A field's flag: its own, or ``--`` and its name with dashes (the TOML key keeps the underscores)."""
-    declared: Option = f.metadata["option"]
-    return declared.flag or "--" + f.name.replace("_", "-")
+    return declared_options(JobSpec)
 
 
 def _fits(value: Any, expected: Any) -> bool:
