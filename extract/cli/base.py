@@ -38,12 +38,12 @@ class Parser(argparse.ArgumentParser):
 @dataclass(frozen=True)
 class Argument:
     """One flag (or positional argument) of a command: where its value goes, its declaration, argparse's
-    keywords for it, and the default --help and the reference show (``MISSING``: none to show)."""
+    keywords for it, and the default --help and the reference show (None: none to show)."""
 
     dest: str
     declared: Option
     keywords: dict[str, Any]
-    shown_default: Any = MISSING
+    shown_default: Any = None
 
     @property
     def names(self) -> list[str]:
@@ -66,6 +66,8 @@ class Argument:
         if self.declared.positional:
             return str(metavar or self.dest.upper())
         name = ", ".join(self.names)
+        if metavar is None and self.declared.choices:  # as --help's usage names them
+            metavar = "{" + ",".join(self.declared.choices) + "}"
         if metavar:
             name += " " + (" ".join(metavar) if isinstance(metavar, tuple) else metavar)
             name += " ..." if self.keywords.get("nargs") == "+" else ""
@@ -73,7 +75,7 @@ class Argument:
 
     def _default(self) -> str:
         value = self.shown_default
-        if value is MISSING or value is None or isinstance(value, bool) or value in ((), []):
+        if value is None or isinstance(value, bool) or value in ((), []):
             return ""
         if isinstance(value, (list, tuple)):  # as it is given: 0.01,0.03 for a parsed list, else spaced
             value = ("," if self.declared.parse else " ").join(map(str, value))
@@ -128,7 +130,8 @@ def arguments(*declarations: type, defaults: bool = True) -> list[Argument]:
                 keywords["required"] = True
             if not declared.positional or default is not MISSING:
                 keywords["default"] = default if defaults and default is not MISSING else None
-            found.append(Argument(f.name, declared, keywords, default if defaults else MISSING))
+            shown = default if defaults and default is not MISSING else None
+            found.append(Argument(f.name, declared, keywords, shown))
     return found
 
 

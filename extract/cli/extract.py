@@ -35,7 +35,7 @@ LIST_LAYERS = Option(
 )
 
 
-def arguments() -> list[Argument]:
+def declared() -> list[Argument]:
     """Every flag of ``extract run`` in --help's order: ``--config``, then the job's options (``JobSpec``'s
     fields), ``--list-layers`` beside ``--layers``. Every default is None, so that ``parse_spec`` can tell a
     flag given from one left out (a TOML job file's value stands unless a flag overrides it)."""
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     return base.make_parser(
         "extract",
         "Capture layer activations of a PyTorch model over a dataset into a chunked zarr store.",
-        arguments(),
+        declared(),
         epilog="Multi-process: accelerate launch [--multi_gpu --num_processes N] -m extract ...",
     )
 
