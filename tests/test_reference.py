@@ -53,10 +53,12 @@ def test_every_command_is_declared_once_and_in_the_reference():
     from extract.cli.reference import command_flags
     from extract.cli.startup import COMMANDS
 
+    from extract.cli.extract import declared as run_flags
+
     page = cli_page()
     declared = command_flags()
     assert set(declared) == {name for name, (module, _) in COMMANDS.items() if module != "extract"}
-    for name, arguments in declared.items():
+    for name, arguments in {"run": run_flags(), **declared}.items():
         module = importlib.import_module(f"extract.cli.{COMMANDS[name][0]}")
         parser_dests = [a.dest for a in module.build_parser()._actions if a.dest != "help"]
         assert parser_dests == [a.dest for a in arguments], name
@@ -67,7 +69,7 @@ def test_every_command_is_declared_once_and_in_the_reference():
             if shown is not None and not isinstance(shown, bool) and shown not in ((), []):
                 assert argument.help().endswith(")") and "(default " in argument.help(), (name, argument.dest)
                 # the declared help never copies the default: the builder adds it, once
-                assert argument.declared.help_text().count("(default") == 0, (name, argument.dest)
+                assert "default" not in argument.declared.help_text(), (name, argument.dest)
 
 
 def test_a_commands_defaults_are_its_dataclasses_defaults():

@@ -57,8 +57,9 @@ class Argument:
         return (self.declared.help_text() + self._default()).replace("%", "%%")
 
     def reference(self) -> str:
-        """The reference's text (markdown): the declared reference, then the declared default."""
-        return self.declared.reference_text() + self._default()
+        """The reference's text (markdown): the declared reference, which says the default in its own
+        words where it is written apart from the help; else the help, then the declared default."""
+        return self.declared.reference_text() + ("" if self.declared.reference is not None else self._default())
 
     def cell(self) -> str:
         """How the reference names it: the flag and its value, as --help's usage does."""
@@ -77,6 +78,8 @@ class Argument:
         value = self.shown_default
         if value is None or isinstance(value, bool) or value in ((), []):
             return ""
+        if isinstance(value, float) and value.is_integer():  # 1800 seconds, a step of 1: as a user writes them
+            value = int(value)
         if isinstance(value, (list, tuple)):  # as it is given: 0.01,0.03 for a parsed list, else spaced
             value = ("," if self.declared.parse else " ").join(map(str, value))
         return f" (default {value})"
@@ -101,8 +104,8 @@ def _kinds(kind: Any) -> tuple[Any, ...]:
 def arguments(*declarations: type, defaults: bool = True) -> list[Argument]:
     """The arguments of the dataclasses ``declarations`` (in field order), their kind following each field's
     type: a boolean is a switch that turns its default over, a list takes one or more values, int, float
-    and Path are parsed. ``defaults``: the parser's defaults are the fields' (and --help shows them);
-    without, every default is None, so that ``extract run`` tells a flag given from one left out."""
+    and Path are parsed. --help shows each field's default. ``defaults``: the parser's defaults are the
+    fields'; without, every one is None, so that ``extract run`` tells a flag given from one left out."""
     found = []
     for cls in declarations:
         for f, declared in declared_options(cls):
@@ -130,8 +133,7 @@ def arguments(*declarations: type, defaults: bool = True) -> list[Argument]:
                 keywords["required"] = True
             if not declared.positional or default is not MISSING:
                 keywords["default"] = default if defaults and default is not MISSING else None
-            shown = default if defaults and default is not MISSING else None
-            found.append(Argument(f.name, declared, keywords, shown))
+            found.append(Argument(f.name, declared, keywords, None if default is MISSING else default))
     return found
 
 

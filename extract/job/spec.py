@@ -43,6 +43,7 @@ OUTSIDE_IDENTITY = {
     "device_map": "each layer runs whole on one GPU, with the kernels and shapes it has without the dispatch",
 }
 
+
 def _at_least_one(flag: str, value: int) -> None:
     if value < 1:
         raise ExtractError(f"{flag} must be at least 1, got {value}")
@@ -120,7 +121,7 @@ def _check_out(flag: str, out: str) -> None:
 def _model_help() -> str:
     from ..models.registry import model_kinds
 
-    return f"{model_kinds()} (default resnet50)"
+    return model_kinds()
 
 
 def _data_help() -> str:
@@ -135,7 +136,7 @@ def _pool_help() -> str:
     return (
         f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token), {' | '.join(TEXT_POOLS)} "
         f"(a row per document, over its real tokens) or {MODEL_POOL} (its sentence-transformers pooling and "
-        "normalization); default none (the full map, every token); for every layer or per layer: "
+        "normalization); none is the full map, every token; for every layer or per layer: "
         "--pool layer3=avg layer4=none (later entries override earlier ones)"
     )
 
@@ -179,8 +180,8 @@ class JobSpec:
         metadata=option(
             metavar="PATH",
             help="state_dict file loaded with weights_only=True",
-            reference="a `state_dict` loaded with `torch.load(weights_only=True)` (a `{\"state_dict\": ...}` / "
-            "`{\"model\": ...}` wrapper and a DDP `module.` prefix are accepted); missing or unexpected keys are "
+            reference='a `state_dict` loaded with `torch.load(weights_only=True)` (a `{"state_dict": ...}` / '
+            '`{"model": ...}` wrapper and a DDP `module.` prefix are accepted); missing or unexpected keys are '
             "an error. With a checkpoint nothing is downloaded; the named weights only choose the preprocessing",
         ),
     )
@@ -211,13 +212,13 @@ class JobSpec:
         metadata=option(
             metavar="PATH",
             check=_check_out,
-            help="the zarr store to write (default features.zarr)",
+            help="the zarr store to write",
             reference="the store (default `features.zarr`): a path, or an object-store URL",
         ),
     )
     batch_size: int = field(
         default=64,
-        metadata=option(check=_at_least_one, help="images per forward (default 64)"),
+        metadata=option(check=_at_least_one, help="images per forward"),
     )
     num_workers: int | None = field(
         default=None,
@@ -281,7 +282,7 @@ class JobSpec:
         metadata=option(
             metavar="K",
             check=_positive,
-            help="--sae: codes kept per token (default 64; a top-k SAE keeps its own k)",
+            help="--sae: codes kept per token; a top-k SAE keeps its own k",
         ),
     )
     sae_only: bool = field(
@@ -296,7 +297,7 @@ class JobSpec:
         default="float16",
         metadata=option(
             check=_one_of(DTYPES),
-            help=f"storage dtype: {' | '.join(DTYPES)} (default float16; a value float16 would store as inf "
+            help=f"storage dtype: {' | '.join(DTYPES)} (a value float16 would store as inf "
             "stops the job: use bfloat16); storage only: the model computes in --precision",
             reference="storage `float16` (default), `bfloat16` or `float32`. A value beyond float16's range "
             "(|x| from 65520, as the massive activations of large language models) stops the job in one line "
@@ -331,8 +332,10 @@ class JobSpec:
         default=None,
         metadata=option(
             check=_compressor,
-            help=lambda: f"{' | '.join(COMPRESSORS)} (default by the kind of store: {_default_compressors()}; "
-            "a resumed store keeps its own)",
+            help=lambda: (
+                f"{' | '.join(COMPRESSORS)} (default by the kind of store: {_default_compressors()}; "
+                "a resumed store keeps its own)"
+            ),
             reference="`zstd` (level 1), `blosc` (lz4, byte shuffle), `bitshuffle` (blosc lz4, bit shuffle), "
             "`none`; every object keeps its crc32c either way. Default by the kind of store: `zstd` for "
             "images, `none` for token and document stores (a text model's activations compress only 1.08x, "
@@ -361,7 +364,7 @@ class JobSpec:
     )
     seed: int = field(
         default=0,
-        metadata=option(check=_seed, help="seed for random init (--weights none; default 0)"),
+        metadata=option(check=_seed, help="seed for random init, with --weights none"),
     )
     channels_last: bool = field(
         default=False,
@@ -464,7 +467,7 @@ class JobSpec:
         default="pil",
         metadata=option(
             check=_one_of(DECODES),
-            help=f"{' | '.join(DECODES)}: PIL in full (default), PIL at a reduced JPEG scale covering the resize, "
+            help=f"{' | '.join(DECODES)}: PIL in full, PIL at a reduced JPEG scale covering the resize, "
             "or batched nvjpeg on the GPU",
             reference="`pil` (default): PIL decodes each image in full. `draft`: a JPEG is decoded at the "
             "smallest DCT scale (1/2, 1/4, 1/8) whose image still covers the transform's resize target, then "
@@ -487,7 +490,7 @@ class JobSpec:
         metadata=option(
             metavar="SECONDS",
             check=_timeout,
-            help="how long a process waits for the others at a barrier before failing (default 1800)",
+            help="how long a process waits for the others at a barrier before failing",
         ),
     )
 
@@ -500,7 +503,9 @@ class JobSpec:
             if declared.check is not None and value is not None:
                 declared.check(flag_of(f), value)
         if self.sae_only and not self.sae:
-            raise ExtractError("--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH")
+            raise ExtractError(
+                "--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH"
+            )
         if self.tensor_parallel is not None and self.tensor_parallel > 1 and self.device_map is not None:
             raise ExtractError(
                 f"--tensor-parallel {self.tensor_parallel} splits the model over a group of processes, --device-map "
@@ -543,7 +548,10 @@ def batching(options: Mapping[str, Any], text: bool) -> dict[str, Any]:
     if text:
         tokens = options.get("tokens_per_batch") or options.get("batch_size", JobSpec.batch_size) * TOKENS_PER_SEQUENCE
         return {"tokens_per_batch": tokens}
-    return {"batch_size": options.get("batch_size", JobSpec.batch_size), "channels_last": bool(options.get("channels_last"))}
+    return {
+        "batch_size": options.get("batch_size", JobSpec.batch_size),
+        "channels_last": bool(options.get("channels_last")),
+    }
 
 
 def job_options() -> list[tuple[Field[Any], Option]]:
