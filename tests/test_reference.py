@@ -28,7 +28,7 @@ def test_every_job_option_has_a_flag_and_every_flag_is_a_job_option():
     declared = {f.name for f, _ in job_options()}  # raises, naming the field, if one has no option(...)
     assert declared == {f.name for f in fields(JobSpec)}
     parser_flags = {a.dest: a.option_strings for a in build_parser()._actions if a.dest not in NOT_JOB_OPTIONS}
-    assert set(parser_flags) == declared, (set(parser_flags) ^ declared)
+    assert set(parser_flags) == declared, set(parser_flags) ^ declared
     for f in fields(JobSpec):
         assert parser_flags[f.name] == [flag_of(f)], f.name
     table = flag_table()
@@ -50,17 +50,17 @@ def test_every_command_is_declared_once_and_in_the_reference():
     else), --help shows each default from the declaration, and docs/cli.md has a section with every flag."""
     import importlib
 
+    from extract.cli.extract import declared as run_flags
     from extract.cli.reference import command_flags
     from extract.cli.startup import COMMANDS
-
-    from extract.cli.extract import declared as run_flags
 
     page = cli_page()
     declared = command_flags()
     assert set(declared) == {name for name, (module, _) in COMMANDS.items() if module != "extract"}
     for name, arguments in {"run": run_flags(), **declared}.items():
         module = importlib.import_module(f"extract.cli.{COMMANDS[name][0]}")
-        parser_dests = [a.dest for a in module.build_parser()._actions if a.dest != "help"]
+        parser = module.build_parser() if name == "run" else module.LINE.build_parser()
+        parser_dests = [a.dest for a in parser._actions if a.dest != "help"]
         assert parser_dests == [a.dest for a in arguments], name
         section = page.split(f"## `extract {name}`\n", 1)[1].split("\n## ", 1)[0]
         for argument in arguments:
@@ -77,8 +77,7 @@ def test_a_commands_defaults_are_its_dataclasses_defaults():
     from extract.cli import probe, report, top
     from extract.cli.base import values
 
-    assert values(probe.build_parser().parse_args(["s.zarr"]), ProbeOptions) == ProbeOptions()
-    assert values(report.build_parser().parse_args(["s.zarr"]), ReportConfig) == ReportConfig()
-    parsed = values(top.build_parser().parse_args(["s.zarr", "--layer", "x", "-k", "3", "--latents", "1,5"]),
-                    top.TopOptions)  # fmt: skip
+    assert values(probe.LINE.parse_args(["s.zarr"]), ProbeOptions) == ProbeOptions()
+    assert values(report.LINE.parse_args(["s.zarr"]), ReportConfig) == ReportConfig()
+    parsed = values(top.LINE.parse_args(["s.zarr", "--layer", "x", "-k", "3", "--latents", "1,5"]), top.TopOptions)
     assert (parsed.k, parsed.latents, str(parsed.out)) == (3, [1, 5], "top")

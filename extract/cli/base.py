@@ -157,6 +157,27 @@ def make_parser(
     return p
 
 
+@dataclass(frozen=True)
+class CommandLine:
+    """A command's line: its name in usage, what it does, and the dataclasses that declare its options
+    (their fields, in order, are its arguments); its parser and its section of docs/cli.md come from it."""
+
+    prog: str
+    description: str
+    declarations: tuple[type, ...]
+    parser: type[argparse.ArgumentParser] = Parser
+
+    def arguments(self) -> list[Argument]:
+        return arguments(*self.declarations)
+
+    def build_parser(self) -> argparse.ArgumentParser:
+        return make_parser(self.prog, self.description, self.arguments(), parser=self.parser)
+
+    def parse_args(self, argv: Sequence[str] | None) -> argparse.Namespace:
+        """The parsed arguments, for ``values`` to make each declaration's dataclass of."""
+        return self.build_parser().parse_args(argv)
+
+
 def values(args: argparse.Namespace, cls: type[T]) -> T:
     """The dataclass ``cls`` from the parsed arguments: the Namespace stays in the command line."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})  # type: ignore[arg-type]

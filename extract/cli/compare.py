@@ -5,17 +5,13 @@ python -m extract.compare A.zarr[:LAYERS] [B.zarr[:LAYERS]] [--match keys|rows] 
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..analysis.options import CompareOptions  # the machinery (torch) is imported to run, not for --help
 from ..names.options import option
-from .base import Argument, arguments, command, make_parser, values, write_output
-
-PROG = "python -m extract.compare"
-DESCRIPTION = "Linear CKA between the layers of one store or two."
+from .base import CommandLine, command, values, write_output
 
 
 @dataclass(frozen=True)
@@ -45,17 +41,16 @@ class CompareFiles:
     )
 
 
-def declared() -> list[Argument]:
-    return arguments(CompareFiles, CompareOptions)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return make_parser(PROG, DESCRIPTION, declared())
+LINE = CommandLine(
+    "python -m extract.compare",
+    "Linear CKA between the layers of one store or two.",
+    (CompareFiles, CompareOptions),
+)
 
 
 @command("extract.compare")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = LINE.parse_args(argv)
     files, options = values(args, CompareFiles), values(args, CompareOptions)
     import numpy as np
 

@@ -10,17 +10,14 @@ input is one line and exit status 2. Needs ``datasets``: ``pip install 'extract[
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ExtractError
 from ..names.options import option
-from .base import Argument, arguments, command, make_parser, values
+from .base import CommandLine, command, values
 
-PROG = "python -m extract.export"
-DESCRIPTION = "Export a layer of a packed token store (extracted with --pack T) to another tool's format."
 FORMATS = ("saelens",)
 
 
@@ -54,17 +51,16 @@ class ExportOptions:
     )
 
 
-def declared() -> list[Argument]:
-    return arguments(ExportOptions)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return make_parser(PROG, DESCRIPTION, declared())
+LINE = CommandLine(
+    "python -m extract.export",
+    "Export a layer of a packed token store (extracted with --pack T) to another tool's format.",
+    (ExportOptions,),
+)
 
 
 @command("extract.export")
 def main(argv: Sequence[str] | None = None) -> int:
-    options = values(build_parser().parse_args(argv), ExportOptions)
+    options = values(LINE.parse_args(argv), ExportOptions)
     kind, out = options.to
     if kind not in FORMATS:
         raise ExtractError(f"--to {kind}: the formats are {', '.join(FORMATS)} (see --help)")

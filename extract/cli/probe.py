@@ -6,7 +6,6 @@ python -m extract.probe --train TRAIN_STORE --test TEST_STORE [--method knn] [--
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,10 +13,7 @@ from dataclasses import dataclass, field
 # the declarations, not the machinery: --help loads no torch (``probe_layers`` is imported to run)
 from ..analysis.options import DEFAULT_TEST_FRACTION, ProbeOptions
 from ..names.options import option
-from .base import Argument, arguments, command, make_parser, values, write_output
-
-PROG = "python -m extract.probe"
-DESCRIPTION = "Probe test accuracy (linear or k-NN) for each layer of a store."
+from .base import CommandLine, command, values, write_output
 
 
 @dataclass(frozen=True)
@@ -46,17 +42,16 @@ class ProbeInputs:
     )
 
 
-def declared() -> list[Argument]:
-    return arguments(ProbeInputs, ProbeOptions)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return make_parser(PROG, DESCRIPTION, declared())
+LINE = CommandLine(
+    "python -m extract.probe",
+    "Probe test accuracy (linear or k-NN) for each layer of a store.",
+    (ProbeInputs, ProbeOptions),
+)
 
 
 @command("extract.probe")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = LINE.parse_args(argv)
     inputs, options = values(args, ProbeInputs), values(args, ProbeOptions)
     from ..analysis.probe import probe_layers
 

@@ -76,7 +76,7 @@ def command_flags() -> dict[str, list[Argument]]:
     found = {}
     for name, (module, _) in COMMANDS.items():
         if module != "extract":
-            found[name] = importlib.import_module(f"extract.cli.{module}").declared()
+            found[name] = importlib.import_module(f"extract.cli.{module}").LINE.arguments()
     return found
 
 

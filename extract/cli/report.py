@@ -7,17 +7,13 @@ Needs matplotlib: ``pip install 'extract[report]'``.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # the declarations, not the machinery: --help loads no torch (``build_report`` is imported to run)
 from ..analysis.options import ReportConfig
 from ..names.options import option
-from .base import Argument, arguments, command, make_parser, values, write_output
-
-PROG = "python -m extract.report"
-DESCRIPTION = "An HTML report with figures about a store."
+from .base import CommandLine, command, values, write_output
 
 
 @dataclass(frozen=True)
@@ -28,17 +24,16 @@ class ReportFiles:
     out: str = field(default="report.html", metadata=option(help="the HTML file to write"))
 
 
-def declared() -> list[Argument]:
-    return arguments(ReportFiles, ReportConfig)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return make_parser(PROG, DESCRIPTION, declared())
+LINE = CommandLine(
+    "python -m extract.report",
+    "An HTML report with figures about a store.",
+    (ReportFiles, ReportConfig),
+)
 
 
 @command("extract.report")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = LINE.parse_args(argv)
     files, config = values(args, ReportFiles), values(args, ReportConfig)
     from ..analysis.report import build_report
 

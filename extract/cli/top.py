@@ -16,10 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..names.options import option
-from .base import Argument, arguments, command, make_parser, values
-
-PROG = "python -m extract.top"
-DESCRIPTION = "Each SAE latent's top activating tokens over a store's codes (--sae), with their contexts."
+from .base import CommandLine, command, values
 
 
 def _latents(text: str) -> list[int]:
@@ -61,17 +58,16 @@ class TopOptions:
     )
 
 
-def declared() -> list[Argument]:
-    return arguments(TopOptions)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return make_parser(PROG, DESCRIPTION, declared())
+LINE = CommandLine(
+    "python -m extract.top",
+    "Each SAE latent's top activating tokens over a store's codes (--sae), with their contexts.",
+    (TopOptions,),
+)
 
 
 @command("extract.top")
 def main(argv: Sequence[str] | None = None) -> int:
-    options = values(build_parser().parse_args(argv), TopOptions)
+    options = values(LINE.parse_args(argv), TopOptions)
     from ..analysis.top_latents import top_latents  # torch: after the arguments, not for --help
     from ..read.features import open_features
 

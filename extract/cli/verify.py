@@ -11,25 +11,20 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from ..store.verifying import VerifyConfig, verify_store  # zarr and the lock: imported to verify
-from .base import Argument, arguments, command, make_parser, values
+from ..store.verifying import VerifyConfig, verify_store  # zarr and the lock: only when it verifies
+from .base import CommandLine, command, values
 
-PROG = "python -m extract.verify"
-DESCRIPTION = "Check a store's chunks: ``python -m extract.verify STORE [--repair]``."
-
-
-def declared() -> list[Argument]:
-    return arguments(VerifyConfig)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    # plain argparse, unlike the other commands: its usage errors have always printed the usage line
-    return make_parser(PROG, DESCRIPTION, declared(), parser=argparse.ArgumentParser)
+LINE = CommandLine(
+    "python -m extract.verify",
+    "Check a store's chunks: ``python -m extract.verify STORE [--repair]``.",
+    (VerifyConfig,),
+    parser=argparse.ArgumentParser,  # not Parser: its usage errors have always printed the usage line
+)
 
 
 @command("extract.verify")
 def main(argv: Sequence[str] | None = None) -> int:
-    config = values(build_parser().parse_args(argv), VerifyConfig)
+    config = values(LINE.parse_args(argv), VerifyConfig)
     verification = verify_store(config)
     print(verification.line)
     return 0 if verification.clean else 1
