@@ -85,13 +85,13 @@ class Argument:
         return f" (default {value})"
 
 
-def _hint(cls: type, name: str, annotation: Any) -> Any:
+def _hint(cls: type, annotation: Any) -> Any:
     """A field's type, evaluated in its module; one that names what is imported only for annotations
     (``torch.device``) is read as text, which is what its flag takes."""
     if not isinstance(annotation, str):
         return annotation
     try:
-        return eval(annotation, vars(sys.modules[cls.__module__]))  # noqa: S307 (the module's own annotation)
+        return eval(annotation, vars(sys.modules[cls.__module__]))  # the module's own annotation, as typing does
     except (NameError, AttributeError):
         return str
 
@@ -109,7 +109,7 @@ def arguments(*declarations: type, defaults: bool = True) -> list[Argument]:
     found = []
     for cls in declarations:
         for f, declared in declared_options(cls):
-            kind, keywords = _hint(cls, f.name, f.type), {}
+            kind, keywords = _hint(cls, f.type), {}
             default = default_of(f)
             if kind is bool:  # --overwrite, --no-truncate
                 keywords["action"] = "store_false" if default is True else "store_true"
@@ -150,7 +150,9 @@ def make_parser(
     groups: dict[str, Any] = {}
     for argument in declared:
         group = argument.declared.group
-        target = p if group is None else groups.setdefault(group, p.add_argument_group(group))
+        if group is not None and group not in groups:
+            groups[group] = p.add_argument_group(group)
+        target = p if group is None else groups[group]
         names = argument.names
         dest = {} if argument.declared.positional else {"dest": argument.dest}
         target.add_argument(*names, **dest, help=argument.help(), **argument.keywords)
