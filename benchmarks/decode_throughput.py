@@ -33,9 +33,8 @@ from torchvision.models import ResNet18_Weights
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extract.preprocessing import describe_preprocessing  # noqa: E402
-
 from extract.data.decode import Decoding  # noqa: E402
+from extract.models.base import preprocessing_record as describe_preprocessing  # noqa: E402
 
 PHOTOS = ("coffee", "chelsea", "astronaut", "rocket", "camera", "coins", "hubble_deep_field", "immunohistochemistry")
 SIZES = {"500x375": (500, 375), "2000x1500": (2000, 1500)}

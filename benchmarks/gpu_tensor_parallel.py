@@ -3,6 +3,9 @@ group of 2 (and, with 4 or more GPUs, 2 groups of 2), against the same job in on
 Checks: every run exits 0, verify is clean, token ids are identical, and each layer's rows (the residual
 stream, o_proj@input and down_proj@input, gathered over the group) are within 1e-3 of their scale in
 float32 compute; prints tok/s and each rank's parameter bytes. Skipped (exit 0) with fewer than 2 GPUs.
+While each job runs, ``nvidia-smi --query-compute-apps`` is sampled: every process must hold memory on one GPU
+only, and no GPU may hold two of the job's processes (a rank's writer thread without a device guard makes a
+context on GPU 0: issue 49).
 
     python benchmarks/gpu_tensor_parallel.py --workdir /tmp/extract-gpu-tp --json OUT.json
 """
@@ -16,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +34,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def compute_apps() -> list[tuple[str, str]]:
+    """(pid, GPU uuid) of every process holding GPU memory now, as nvidia-smi lists them (none without it)."""
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = [line.split(",") for line in listed.stdout.splitlines() if line.count(",") == 1]
+    return [(pid.strip(), gpu.strip()) for pid, gpu in rows]
 
 
 def main() -> int:
@@ -76,8 +93,26 @@ def main() -> int:
                          "--main_process_port", str(free_port())]  # fmt: skip
         launch = [*launcher, *job]
         started = time.time()
-        result = subprocess.run(launch, capture_output=True, text=True, timeout=150)
+        job = subprocess.Popen(launch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen: dict[str, set[str]] = {}  # pid -> GPUs it held memory on, over the job's life
+        most = 0  # the most compute processes one GPU held at once
+        while job.poll() is None and time.time() - started < 150:
+            apps = compute_apps()
+            for pid, gpu in apps:
+                seen.setdefault(pid, set()).add(gpu)
+            most = max([most, *Counter(gpu for _, gpu in apps).values()])
+            time.sleep(0.3)
+        if job.poll() is None:
+            job.kill()
+        out, err = job.communicate()
+        result = subprocess.CompletedProcess(launch, job.returncode, out, err)
         seconds = time.time() - started
+        spread = {pid: sorted(gpus) for pid, gpus in seen.items() if len(gpus) > 1}
+        gpu_check = {"processes_seen": len(seen), "most_processes_on_one_gpu": most, "on_several_gpus": spread}
+        print(f"   nvidia-smi: {gpu_check}")
+        if seen and (spread or most > 1):
+            print(f"{name}: a process holds memory on several GPUs, or a GPU holds two of the job's processes")
+            return 1
         print(f"== {name}: {processes} processes, --tensor-parallel {tensor or 1}: exit {result.returncode} in {seconds:.1f} s")
         print(result.stderr[-1500:])
         if result.returncode != 0:
@@ -88,7 +123,8 @@ def main() -> int:
         group = zarr.open_group(out, mode="r")
         run = group.attrs["runs"][-1]
         report[name] = {"seconds": round(seconds, 1), "verify": verify.returncode, "summary": group.attrs["summary"],
-                        "parameter_bytes": run.get("parameter_bytes"), "mesh": run.get("mesh")}  # fmt: skip
+                        "parameter_bytes": run.get("parameter_bytes"), "mesh": run.get("mesh"),
+                        "gpus_per_process": gpu_check}  # fmt: skip
         if verify.returncode != 0:
             print(verify.stdout, verify.stderr)
             return 1

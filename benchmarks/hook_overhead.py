@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from extract.capture.hooks import Capture  # noqa: E402
 from extract.capture.staging import HostStaging  # noqa: E402
 from extract.job.plan import default_chunk_size  # noqa: E402
-from extract.job.runner import default_writer_threads  # noqa: E402
+from extract.job.resources import default_writer_threads  # noqa: E402
 from extract.job.spec import DEFAULT_COMPRESSORS, JobSpec  # noqa: E402
 from extract.store.chunks import Plan  # noqa: E402
 from extract.store.store import FeatureStore  # noqa: E402

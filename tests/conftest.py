@@ -31,3 +31,16 @@ def png_tree(tmp_path_factory) -> tuple[Path, list[tuple[Path, int]]]:
     """An ImageFolder tree of 13 PNGs in 2 classes, made once for the session."""
     root = tmp_path_factory.mktemp("images")
     return root, make_png_tree(root, {"cat": 7, "dog": 6})
+
+
+def pytest_configure(config):
+    """``EXTRACT_REQUIRE_CUDA=1`` (benchmarks/cuda_tests.sh, the GPU check's test runs): no CUDA device is an
+    error, never a run whose every test skipped and which exits 0 as if the GPU had been checked."""
+    import os
+
+    if os.environ.get("EXTRACT_REQUIRE_CUDA") == "1" and not torch.cuda.is_available():
+        pytest.exit(
+            "EXTRACT_REQUIRE_CUDA=1 but torch.cuda.is_available() is False: no CUDA device here, nothing of the "
+            f"GPU paths would be checked (torch {torch.__version__}, built with CUDA {torch.version.cuda})",
+            returncode=3,
+        )

@@ -46,15 +46,31 @@ class GroupGather:
     size: int
     sharded: dict[str, int] = field(default_factory=dict)
     styles: dict[str, str] = field(default_factory=dict)  # the plan's style of each layer's module, where named
+    widths: dict[str, list[int]] = field(default_factory=dict)  # each rank's slice width, once per layer
 
     def __call__(self, name: str, value: torch.Tensor) -> torch.Tensor:
         if _is_dtensor(value):
             return value.full_tensor()
         if name not in self.sharded:
             return value
+        widths = self.widths.get(name)
+        if widths is None:
+            # A slice's width is fixed by the plan (heads or features split as evenly as they go, so not
+            # always equally), and all_gather needs equal shapes: learn every rank's width on the first batch,
+            # then pad each slice to the widest and cut the padding off.
+            mine = torch.tensor([value.shape[-1]], dtype=torch.int64, device=value.device)
+            every = [torch.empty_like(mine) for _ in range(self.size)]
+            torch.distributed.all_gather(every, mine, group=self.group)
+            widths = self.widths[name] = [int(w) for w in torch.cat(every).tolist()]
+        widest = max(widths)
+        value = value.contiguous()
+        if value.shape[-1] < widest:
+            value = torch.nn.functional.pad(value, (0, widest - value.shape[-1]))
         parts = [torch.empty_like(value) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, value.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        torch.distributed.all_gather(parts, value, group=self.group)
+        if min(widths) == widest:
+            return torch.cat(parts, dim=-1)
+        return torch.cat([part[..., :width] for part, width in zip(parts, widths, strict=True)], dim=-1)
 
     def check(self, outputs: Mapping[str, torch.Tensor]) -> None:
         """On the set-up forward's captured (gathered) outputs: a sharded layer is at its full width, and

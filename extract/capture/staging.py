@@ -8,7 +8,9 @@ writer has consumed them, so a slow writer makes the forward loop wait instead o
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +33,8 @@ class Slot:
         self.peaks = peaks
         # --sae: per layer, the statistics (on the device) of the batch's rows of each chunk
         self.latent_stats: dict[str, dict[int, LatentStats]] = {}
+        # --sae on CUDA: pinned host copies of those statistics, by (layer, segment), allocated once and reused
+        self.stats_buffers: dict[tuple[str, int], LatentStats] = {}
         self.checked: set[str] = set()
         self.events: dict[torch.device, torch.cuda.Event] = {}  # reused batch after batch
         self.sources: set[torch.device] = set()  # the devices this batch copied from
@@ -70,6 +74,9 @@ class HostStaging:
         self.dtype = dtype
         self.device = device
         self.cuda = device.type == "cuda"
+        # the device this rank's threads work on: ``device`` may carry no index ("cuda")
+        self._home = (device.index if device.index is not None else torch.cuda.current_device()) if self.cuda else None
+        self._owner = threading.get_ident()
         self.copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.num_slots = slots
         self.current: Slot | None = None
@@ -144,16 +151,36 @@ class HostStaging:
         indices = torch.empty((len(rows), encoder.k), dtype=torch.int32, device=rows.device)
         values = torch.empty((len(rows), encoder.k), dtype=getattr(torch, encoder.values_dtype), device=rows.device)
         stats = slot.latent_stats.setdefault(name, {})
-        for chunk, first, end in self.segments:
-            stats[chunk] = encoder.new_stats(rows.device)
-            codes = encoder.encode(rows[first:end], stats[chunk])
+        for segment, (chunk, first, end) in enumerate(self.segments):
+            on_device = encoder.new_stats(rows.device)
+            codes = encoder.encode(rows[first:end], on_device)
             indices[first:end], values[first:end] = codes.indices, codes.values
+            stats[chunk] = self._copy_stats(slot, (name, segment), on_device)
         self._copy(slot, indices_path(name), indices)
         self._copy(slot, values_path(name), values)
 
+    def _copy_stats(self, slot: Slot, key: tuple[str, int], stats: LatentStats) -> LatentStats:
+        """On CUDA, the statistics copied with the slot's codes into pinned host tensors: the writer reads them
+        after the slot's event, where a ``.cpu()`` of device tensors on its thread would wait for whatever
+        forward is queued by then (and make that thread a context on the current device)."""
+        if stats.count.device.type != "cuda":
+            return stats
+        host = slot.stats_buffers.get(key)
+        if host is None or host.count.shape != stats.count.shape:
+            with torch.inference_mode(False):  # like the pool: buffers, not inference tensors
+                host = slot.stats_buffers[key] = type(stats)(**{
+                    f.name: torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                    for f in fields(stats) for value in [getattr(stats, f.name)]
+                })  # fmt: skip
+        for f in fields(stats):
+            self._copy_into(slot, getattr(host, f.name), getattr(stats, f.name))
+        return host
+
     def _copy(self, slot: Slot, path: str, value: torch.Tensor) -> None:
         """A fresh device tensor (nothing in the forward touches it) into buffer ``path``."""
-        target = slot.buffers[path][: value.shape[0]]
+        self._copy_into(slot, slot.buffers[path][: value.shape[0]], value)
+
+    def _copy_into(self, slot: Slot, target: torch.Tensor, value: torch.Tensor) -> None:
         if value.device.type != "cuda":
             target.copy_(value)
             return
@@ -178,10 +205,17 @@ class HostStaging:
     @staticmethod
     def wait(slot: Slot) -> None:
         for source in slot.sources:
-            slot.events[source].synchronize()
+            # under the event's device: a thread that never chose one (the writer's) would otherwise have the
+            # CUDA runtime make it a context on GPU 0, a few hundred MB there for every rank
+            with torch.cuda.device(source):
+                slot.events[source].synchronize()
 
     def ready(self, slot: Slot) -> None:
         """``wait`` for the slot's copies, then raise ``CastOverflowError`` if the cast made an inf of a value."""
+        if self._home is not None and threading.get_ident() != self._owner:
+            # the writer's thread: whatever CUDA call it makes later (a pinned block freed, an event) is on
+            # this rank's GPU, never GPU 0 (a thread starts on device 0)
+            torch.cuda.set_device(self._home)
         self.wait(slot)
         for name in sorted(slot.checked):
             cast.check(name, float(slot.peaks[name]), self.dtype, "in a batch of the data")

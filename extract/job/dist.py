@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -70,6 +70,21 @@ class Mesh:
     tensor_parallel: int = 1
     group: Any = None
     meshes: Any = None  # models.hf_text.TensorMeshes: the dense and the expert mesh
+    stop_group: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The stop flag travels over a group that serves CPU tensors: on GPUs ``group`` is NCCL's, whose
+        # backend map has no CPU device (a CPU tensor there is "No backend type associated with device type
+        # cpu"), and a flag on the GPU would make every batch's ``.item()`` wait for the forwards queued
+        # before it. So a gloo twin of the group, made by its own ranks alone (use_local_synchronization:
+        # every group builds its mesh at the same point, but need not wait for the others).
+        if self.group is None:
+            return
+        stop = self.group
+        if torch.device("cpu") not in self.group._device_types:
+            ranks = torch.distributed.get_process_group_ranks(self.group)
+            stop = torch.distributed.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        object.__setattr__(self, "stop_group", stop)
 
     @property
     def writes(self) -> bool:
@@ -86,7 +101,7 @@ class Mesh:
         if self.group is None:
             return signum
         flag = torch.tensor([signum or 0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.stop_group)
         return int(flag.item()) or None
 
 

@@ -330,7 +330,10 @@ def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: Loade
     )
     if spec.decode == "nvjpeg":
         device = state.device
-        data.gpu_decoder = GpuDecoder(dataset.decoding, loaded.preprocessing, device, side, dataset.describe)
+        # the model's (H, W): a bad image's placeholder must stack with the others
+        data.gpu_decoder = GpuDecoder(
+            dataset.decoding, loaded.preprocessing, device, loaded.input_size, dataset.describe
+        )
         data.notes.append(
             f"extract: --decode nvjpeg: JPEGs decoded on {device.type} in batches; transform: {data.gpu_decoder.how}"
         )

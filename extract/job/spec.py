@@ -314,7 +314,11 @@ class JobSpec:
             check=_one_of(PRECISIONS),
             help=f"compute precision: {' | '.join(PRECISIONS)} (default fp32 on CPU, bf16 on CUDA)",
             reference="compute `fp32` / `bf16` / `fp16` through autocast (default fp32 on CPU, bf16 on CUDA); "
-            "`hf:` text models load their weights in that dtype instead (no fp32 copy)",
+            "`hf:` text models load their weights in that dtype instead (no fp32 copy). `fp32` on a GPU runs "
+            "under torch's defaults, which the job leaves as they are: cuDNN convolutions in TF32 "
+            "(`torch.backends.cudnn.allow_tf32`, on), matmuls in full fp32 (`torch.backends.cuda.matmul.allow_tf32`, "
+            "off); set them before `extract.run` for other behaviour. `benchmarks/gpu_check.sh` records how far "
+            "that fp32 lies from the CPU's",
         ),
     )
     chunk_size: int | None = field(
@@ -482,7 +486,8 @@ class JobSpec:
             help="rotate images as their EXIF orientation says (off by default, like torchvision's loaders)",
             reference="rotate images as their EXIF orientation tag says. Off by default, as in torchvision's "
             "and timm's loaders (the weights were trained on unrotated pixels); turn it on for phone photos "
-            "whose pixels are stored sideways",
+            "whose pixels are stored sideways. Under `--decode nvjpeg` (whose CUDA decoder ignores the tag) the "
+            "orientation is applied after the decode, as PIL applies it",
         ),
     )
     timeout: float = field(

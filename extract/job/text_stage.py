@@ -253,11 +253,10 @@ def text_loop(
                     writer.submit_rows(None, batch)
                     forwarded(len(batch))
                     continue
-                _select(layers, batch, device)
+                inputs = upload(layers, batch, device)
                 slot = staging.acquire(writer.check)
                 if encoders:  # each chunk's rows of the batch get statistics of their own
                     staging.segments = list(chunk_segments(np.asarray(batch.rows, np.int64), job.plan.chunk_size))
-                inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
                 job.model.loaded.call(cap.forward, inputs)
                 staging.seal(slot)
                 writer.submit_rows(slot, batch.rows)
@@ -303,8 +302,7 @@ def forward_only(
             held()
             if not isinstance(batch, TextBatch):  # written by the writer without a forward
                 continue
-            _select(layers, batch, device)
-            inputs = {name: value.to(device, non_blocking=True) for name, value in batch.inputs.items()}
+            inputs = upload(layers, batch, device)
             job.model.loaded.call(cap.forward, inputs)
         else:
             stopped = stop.signum
@@ -312,9 +310,20 @@ def forward_only(
         raise Interrupted(stopped, 0)
 
 
-def _select(layers: TextLayerSetup, batch: TextBatch, device: torch.device) -> None:
-    """What every layer's reduction keeps of this batch, on the device."""
+def upload(
+    layers: TextLayerSetup, batch: TextBatch, device: torch.device, pin: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """The batch's model inputs on the device, and what every layer's reduction keeps of it there, each tensor
+    sent once (the reductions use the model's own attention mask). On CUDA (``pin``) they go up from pinned
+    memory: from pageable memory a ``non_blocking`` copy is synchronous, and the host would wait for it."""
+    pin = device.type == "cuda" if pin is None else pin
+
+    def up(value: torch.Tensor) -> torch.Tensor:
+        return (value.pin_memory() if pin else value).to(device, non_blocking=True)
+
+    inputs = {name: up(value) for name, value in batch.inputs.items()}
     selection = layers.selection
-    selection.mask = batch.attention_mask.to(device, non_blocking=True)
-    selection.flat = None if batch.flat is None else batch.flat.to(device, non_blocking=True)
-    selection.order = None if batch.order is None else batch.order.to(device, non_blocking=True)
+    selection.mask = inputs["attention_mask"]
+    selection.flat = None if batch.flat is None else up(batch.flat)
+    selection.order = None if batch.order is None else up(batch.order)
+    return inputs

@@ -80,3 +80,19 @@ def read_shards_with_tarfile(paths: list[Path]) -> list[tuple[str, bytes, int]]:
 def decode_all(images: list[bytes], size: int = 32) -> torch.Tensor:
     transform = preset(size)
     return torch.stack([transform(Image.open(io.BytesIO(b)).convert("RGB")) for b in images])
+
+
+def exif_jpeg(orientation: int | None, size: tuple[int, int] = (96, 64), seed: int = 0) -> bytes:
+    """A smooth, asymmetric JPEG of ``size`` (w, h) carrying EXIF ``orientation`` (None: no EXIF block)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    base = rng.integers(0, 256, size=(h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+    pixels = np.asarray(Image.fromarray(base).resize((w, h), Image.BILINEAR))
+    buffer = io.BytesIO()
+    if orientation is None:
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=95)
+    else:
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(pixels).save(buffer, format="JPEG", quality=95, exif=exif)
+    return buffer.getvalue()
