@@ -1,4 +1,4 @@
-"""The flag reference and the parser come from one declaration (issue 30): docs/cli.md is what ``extract.cli.reference`` renders, and ``extract run``'s flags are ``JobSpec``'s fields."""
+"""The flag reference and the parser come from one declaration (issues 30 and 46): docs/cli.md is what ``extract.cli.reference`` renders, ``extract run``'s flags are ``JobSpec``'s fields, and every other command's are its dataclasses' fields."""
 
 from __future__ import annotations
 

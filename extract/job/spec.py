@@ -1,4 +1,5 @@
-"""The job: every option of a run, declared once with its flag, help, reference text, default and check,
+"""The job: every option of a run, declared once (``option(...)``, ``extract.names.options``, as every
+command's options are) with its flag, help, reference text, default and check,
 and validated in one place (the identity that ties a store to it is the store's schema:
 ``extract.store.schema``). The command line (``extract.cli.extract.build_parser``) and the flag reference
 (``extract.cli.reference``: docs/cli.md and the README's table) are derived from this declaration."""
