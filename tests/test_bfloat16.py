@@ -213,7 +213,7 @@ def test_a_token_store_in_bfloat16_equals_each_document_run_alone_bit_for_bit(co
             hidden = model.eval()(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
         hidden = hidden.hidden_states
         for layer, number in TEXT_LAYERS.items():
-            stored = f.document(i, layer, dtype=None, as_torch=True)
+            stored = f.text.document(i, layer, dtype=None, as_torch=True)
             assert torch.equal(stored.view(torch.int16), bits(hidden[number][0])), (i, layer)
             alone[layer].append(hidden[number][0].to(torch.bfloat16))
     every = {layer: torch.cat(rows) for layer, rows in alone.items()}

@@ -174,7 +174,7 @@ def test_top_command_equals_brute_force(store, tmp_path, capsys):
     for record in sorted(table, key=lambda r: (r["latent"], r["rank"])):
         got.setdefault(record["latent"], []).append((record["row"], record["activation"]))
     assert got == expected
-    token_ids, offsets, keys = f.token_ids, f.offsets, f.keys
+    token_ids, offsets, keys = f.text.token_ids, f.text.offsets, f.keys
     kept = np.zeros((f.num_samples, D_SAE), dtype=np.float32)
     r, s = np.nonzero(indices >= 0)
     kept[r, indices[r, s]] = values[r, s]
@@ -241,4 +241,4 @@ def test_token_stream_over_codes(store, workers):
         for rank in range(2)
     ]  # fmt: skip
     both = np.concatenate(ranks)
-    assert len(both) == len(set(both.tolist())) and set(both.tolist()) == set(np.flatnonzero(~f.special).tolist())
+    assert len(both) == len(set(both.tolist())) and set(both.tolist()) == set(np.flatnonzero(~f.text.special).tolist())

@@ -96,7 +96,7 @@ def _check_against_transformers(store, model_path) -> float:
     """Every row of ``store``'s routers against each document (context) run alone; the largest logit
     difference. Experts must be the same where the k-th and next probabilities are not a near tie."""
     features, model = open_features(store), _model(model_path)
-    offsets, ids = features.offsets, features.token_ids
+    offsets, ids = features.text.offsets, features.text.token_ids
     logits = {router: features.load(router) for router in ROUTERS}
     codes = {router: features.codes(router) for router in ROUTERS}
     worst, compared = 0.0, 0

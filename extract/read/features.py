@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -274,15 +275,24 @@ def _pool(pool: str | None, layout: str | None) -> Any:
 
 class _TextAlias(Generic[T]):
     """A text accessor's old name on ``Features``: the accessor of the same name of ``features.text``
-    (``TextView``), so that both spellings are one implementation, with its documentation."""
+    (``TextView``), so that both spellings are one implementation, with its documentation. Reading it
+    warns (``DeprecationWarning``): the text accessors have one spelling, ``features.text.<name>``, and
+    the old one keeps working for the readers written before the view."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
-        self.__doc__ = f"``features.text.{name}`` (``TextView.{name}``): {getattr(TextView, name).__doc__}"
+        self.__doc__ = (
+            f"Deprecated: ``features.text.{name}`` (``TextView.{name}``), which says: {getattr(TextView, name).__doc__}"
+        )
 
     def __get__(self, features: Features | None, owner: type | None = None) -> T:
         if features is None:
             return self  # type: ignore[return-value] - the class's attribute: the alias itself
+        warnings.warn(
+            f"Features.{self.name} is deprecated: use features.text.{self.name}",
+            DeprecationWarning,
+            stacklevel=2,  # the reader's line, not this one
+        )
         return getattr(features.text, self.name)
 
 
@@ -296,7 +306,8 @@ class Features:
     them whose image could be read. ``kind`` is ``images``, ``documents`` (text, one pooled row per
     document) or ``tokens`` (one row per token); ``num_samples`` rows in ``num_chunks`` chunks of
     ``chunk_size``. A text store's token-level accessors (offsets, token ids, documents, packing) are
-    ``text``, a ``TextView``; their old names here are the view's.
+    ``text``, a ``TextView``; their old names here (``features.offsets``...) still read the view's but
+    warn (``DeprecationWarning``).
     """
 
     path: Path | str  # a URL for a store on object storage
@@ -383,7 +394,7 @@ class Features:
         """``features.text.pack``; None for an image store (never packed)."""
         return None if self.kind is Kind.IMAGES else self.text.pack
 
-    # The text accessors' old names, kept: each is the view's (see TextView for what it returns).
+    # The text accessors' old names, kept working and warning: each is the view's (see TextView).
     offsets = _TextAlias[np.ndarray]()
     token_ids = _TextAlias[np.ndarray]()
     load_token_ids = _TextAlias[Callable[[slice], np.ndarray]]()
@@ -557,7 +568,7 @@ class Features:
         a store still being written gains labels as its chunks are written). In a token store ``index``
         picks documents."""
         if self.kind is Kind.TOKENS:
-            picked = _normalize(index, self.num_documents)
+            picked = _normalize(index, self.text.num_documents)
             labels = self.labels
             if picked.sorted_rows is None:
                 return labels[picked.start : picked.stop]
@@ -576,11 +587,11 @@ class Features:
             pack = self.pack
             if pack is not None:  # its samples are contexts of T tokens; the documents are those packed into them
                 rows = (
-                    f"{self.num_samples} tokens in {self.num_contexts} contexts of {pack['context_length']}, "
-                    f"from {self.num_source_documents} documents"
+                    f"{self.num_samples} tokens in {self.text.num_contexts} contexts of {pack['context_length']}, "
+                    f"from {self.text.num_source_documents} documents"
                 )
             else:
-                rows = f"{self.num_samples} tokens of {self.num_documents} documents"
+                rows = f"{self.num_samples} tokens of {self.text.num_documents} documents"
             return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
         rows = f"N={self.num_samples}" if self.kind is Kind.IMAGES else f"{self.num_samples} documents"
         return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
