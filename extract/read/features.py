@@ -225,10 +225,12 @@ def _load_into(
         for selection, at in blocks:
             _read(array, selection, target[at:])
     elif reduce is None and isinstance(out, np.ndarray):
-        # numpy's casts are torch's here (round to nearest even); bfloat16 bits widen to float32 exactly
+        # numpy's casts are torch's here (round to nearest even; beyond float16: inf, silently, as torch's
+        # were); bfloat16 bits widen to float32 exactly
         bfloat16 = storage.is_bfloat16(array)
-        for (_, at), block in zip(blocks, _prefetched(array, selections), strict=True):
-            out[at : at + len(block)] = storage.to_float32(block) if bfloat16 else block
+        with np.errstate(over="ignore", invalid="ignore"):
+            for (_, at), block in zip(blocks, _prefetched(array, selections), strict=True):
+                out[at : at + len(block)] = storage.to_float32(block) if bfloat16 else block
     else:
         import torch
 
