@@ -6,10 +6,13 @@ The numpy conversions are torch's own (float32 to float16, in any order of rows)
 
 from __future__ import annotations
 
+import ast
+
 import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import ROOT
 from helpers.no_torch import imported_by
 from helpers.stores import add_keys, array_store
 
@@ -85,3 +88,42 @@ def test_numpy_converts_as_torch_did(images):
         assert got.dtype == expected.numpy().dtype and got.tobytes() == expected.numpy().tobytes(), name
         as_torch = f.load("fc", picked, dtype=name, as_torch=True)
         assert as_torch.dtype == dtype and torch.equal(as_torch, expected), name
+
+
+# the modules that hand out tensors or compute in torch, and so import it at the top: the writer, the pools,
+# and the torch readers, which ``extract`` and ``extract.read`` import only when they are first named
+TORCH_MODULES = {"store/writer.py", "names/pooling.py", "read/dataset.py", "read/tokens.py"}
+
+
+def _top_level_torch(path) -> list[int]:
+    """The lines of ``path`` that import torch when the module is imported: at the top, or in a block there
+    (``try``, ``if``) other than ``if TYPE_CHECKING:``; not in a function or a class's method."""
+    lines = []
+    pending = list(ast.parse(path.read_text()).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            pending.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+            lines.append(node.lineno)
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            pending.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+    return lines
+
+
+def test_no_module_of_the_read_path_imports_torch_at_the_top():
+    """What the subprocess tests find by running, named: every module of ``read/``, ``store/``, ``names/``,
+    ``errors.py`` and ``extract/__init__.py`` but ``TORCH_MODULES`` imports torch inside what needs it."""
+    package = ROOT / "extract"
+    modules = [package / "__init__.py", package / "errors.py"]
+    modules += [path for part in ("read", "store", "names") for path in sorted((package / part).glob("*.py"))]
+    found = {
+        str(path.relative_to(package)): lines
+        for path in modules
+        if str(path.relative_to(package)) not in TORCH_MODULES and (lines := _top_level_torch(path))
+    }
+    assert found == {}, f"torch imported at the top (move it into the function that needs it): {found}"
+    assert all((package / name).exists() for name in TORCH_MODULES)
