@@ -24,6 +24,7 @@ from extract.capture.cast import overflows
 from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.read import decode_bfloat16
+from extract.read import features as features_module
 from extract.store.stats import chunk_row, columns, merge
 
 IMAGES = ["--data", "synthetic:10", "--image-size", "32", "--num-workers", "0", "--chunk-size", "4",
@@ -106,9 +107,11 @@ def test_feature_dataset_and_xarray_read_a_bfloat16_store(loud):
     np.testing.assert_array_equal(ds["conv"][3:5, 1].values, open_features(out).load("conv")[3:5, 1])
 
 
-def test_a_numpy_reader_of_a_bfloat16_store_widens_in_numpy_without_torch(loud):
+@pytest.mark.parametrize("torch_imported", [False, True])
+def test_a_numpy_reader_of_a_bfloat16_store_widens_in_numpy_without_torch(loud, monkeypatch, torch_imported):
     """Issue 46: numpy widens the stored bits to float32 (exact) and casts from there, as torch did from its
     bfloat16 view: the same values, without importing torch; xarray's decoding too."""
+    monkeypatch.setattr(features_module, "_torch_imported", lambda: torch_imported)
     out = loud[0]
     f = open_features(out)
     picked = [3, 1, 3, 9]

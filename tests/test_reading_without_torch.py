@@ -17,6 +17,7 @@ from helpers.no_torch import imported_by
 from helpers.stores import add_keys, array_store
 
 from extract import open_features
+from extract.read import features as features_module
 
 N, CHUNK = 40, 16
 
@@ -75,9 +76,12 @@ def test_the_torch_reads_import_torch_and_still_work(images):
     assert "torch" in imported_by(script, path=images)
 
 
-def test_numpy_converts_as_torch_did(images):
+@pytest.mark.parametrize("torch_imported", [False, True])
+def test_numpy_converts_as_torch_did(images, monkeypatch, torch_imported):
     """The numpy read's casts (the stored float32 to float16, float64; rows in the caller's order) are
-    torch's, which made every read before: the same values, bit for bit."""
+    torch's, which made every read before: the same values, bit for bit; in a process without torch
+    (numpy converts) and in one with it (torch converts, cheaper)."""
+    monkeypatch.setattr(features_module, "_torch_imported", lambda: torch_imported)
     f = open_features(images)
     stored = zarr.open_group(images, mode="r")["features/fc"][:]
     picked = [7, 1, 1, 39, 0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -213,20 +214,29 @@ def _stored_view(out: np.ndarray | torch.Tensor, array: zarr.Array) -> np.ndarra
     return storage.numpy_view(out, array)
 
 
+def _torch_imported() -> bool:
+    """Whether this process has imported torch: then a conversion (float16 to float32, say) is torch's, the
+    same values for ~1/8 of the CPU (0.11 against 0.9 CPU-s a GB of float16 here: torch's cast is
+    vectorized, numpy's float16 cast is not); a process without torch saves its import (~2 CPU-s), which
+    a read of less than ~2.5 GB of float16 would not win back (benchmarks/RESULTS.md)."""
+    return "torch" in sys.modules
+
+
 def _load_into(
     array: zarr.Array, rows: _Rows, reduce: Any, out: np.ndarray | torch.Tensor, blocks: list
 ) -> np.ndarray | torch.Tensor:
     """``blocks`` of ``array`` into ``out``, each reduced by ``reduce`` (None: as stored), in the caller's
-    order. Torch is imported only where it computes: to pool, or to fill a bfloat16 tensor."""
+    order. Torch is imported only where it computes: to pool, or to fill a bfloat16 tensor (and converts
+    where a process has imported it already: ``_torch_imported``)."""
     target = _stored_view(out, array)  # None when the stored values need a conversion
     selections = [selection for selection, _ in blocks]
     if reduce is None and target is not None:
         # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
         for selection, at in blocks:
             _read(array, selection, target[at:])
-    elif reduce is None and isinstance(out, np.ndarray):
-        # numpy's casts are torch's here (round to nearest even; beyond float16: inf, silently, as torch's
-        # were); bfloat16 bits widen to float32 exactly
+    elif reduce is None and isinstance(out, np.ndarray) and not _torch_imported():
+        # numpy's casts give torch's values (round to nearest even; beyond float16: inf, silently, as
+        # torch's did); bfloat16 bits widen to float32 exactly
         bfloat16 = storage.is_bfloat16(array)
         with np.errstate(over="ignore", invalid="ignore"):
             for (_, at), block in zip(blocks, _prefetched(array, selections), strict=True):
