@@ -4,7 +4,9 @@ layer of a store, for this tree and a "before" tree (another commit, unpacked wi
 against zarr reading the same array alone; median of ``--repeat`` runs, the trees alternating.
 
 The store: a complete image store, one float32 layer of (1024, 2048) (8 MiB, zstd as jobs write), with
-labels and keys, written once under ``--store`` through ``FeatureStore``.
+labels and keys, written once at ``--store`` through ``FeatureStore``; and beside it (``-f16``) the
+layer with 16384 rows stored in float16 (64 MiB), read as float32 (the default ``load``, a conversion:
+numpy's cast in a process without torch, torch's in one with it).
 
     git archive main extract | tar -x -C /tmp/extract-before
     python benchmarks/read_without_torch.py --before-tree /tmp/extract-before --repeat 5
@@ -22,40 +24,44 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 LAYER, N, D, CHUNK = "fc", 1024, 2048, 128
+N_FLOAT16 = 16384  # 64 MiB of float16, 128 MiB as float32
 
 READS = {
     "import extract": "import extract",
     "open_features(p).load(layer)": "from extract import open_features\nopen_features(P).load(L)",
     "... + labels, keys": "from extract import open_features\nf = open_features(P)\nf.load(L); f.labels; f.keys",
     "zarr alone: open_group(p)[layer][:]": "import zarr\nzarr.open_group(P, mode='r')['features/' + L][:]",
+    "float16 layer: open_features(p16).load(layer)": "from extract import open_features\nopen_features(P16).load(L)",
+    "float16 layer, torch imported first": "import torch\nfrom extract import open_features\nopen_features(P16).load(L)",
 }
 
 
-def make_store(path: Path) -> None:
+def make_store(path: Path, dtype: str = "float32", n: int = N) -> None:
     import numpy as np
 
     from extract.store.store import FeatureStore
 
     rng = np.random.default_rng(0)
-    values = rng.standard_normal((N, D)).astype(np.float32)
+    values = rng.standard_normal((n, D)).astype(dtype)
     store = FeatureStore.create(
-        path, shapes={LAYER: (D,)}, num_samples=N, chunk_size=CHUNK, dtype="float32", compressor="zstd",
-        attrs={"layers": [LAYER], "num_samples": N, "chunk_size": CHUNK, "status": "running", "dataset": "synthetic:0"},
+        path, shapes={LAYER: (D,)}, num_samples=n, chunk_size=CHUNK, dtype=dtype, compressor="zstd",
+        attrs={"layers": [LAYER], "num_samples": n, "chunk_size": CHUNK, "status": "running", "dataset": "synthetic:0"},
     )  # fmt: skip
-    for chunk, start in enumerate(range(0, N, CHUNK)):
+    for chunk, start in enumerate(range(0, n, CHUNK)):
         rows = slice(start, start + CHUNK)
         store.write_chunk(chunk, start, rows.stop, {LAYER: values[rows]}, np.arange(CHUNK) % 10, np.ones(CHUNK, bool))
     store.update_attrs(status="complete")
     import zarr
 
     group = zarr.open_group(path, mode="r+")  # keys, as a job writes them
-    keys = group.create_array("keys", shape=(N,), chunks=(CHUNK,), dtype=str, dimension_names=("sample",))
-    keys[:] = np.array([f"class{i % 10}/{i}.jpg" for i in range(N)], dtype=object)
+    keys = group.create_array("keys", shape=(n,), chunks=(CHUNK,), dtype=str, dimension_names=("sample",))
+    keys[:] = np.array([f"class{i % 10}/{i}.jpg" for i in range(n)], dtype=object)
 
 
 def cpu_seconds(tree: Path, code: str, store: Path) -> tuple[float, float, bool]:
     """(CPU s, wall s, whether torch was imported) of one fresh interpreter running ``code``."""
-    script = f"P, L = {str(store)!r}, {LAYER!r}\n{code}\nimport sys\nprint('torch' in sys.modules)"
+    script = f"P, P16, L = {str(store)!r}, {str(store) + '-f16'!r}, {LAYER!r}\n{code}\nimport sys\n"
+    script += "print('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(tree)}
     began = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=tree, stdout=subprocess.PIPE, text=True)
@@ -74,6 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.store.exists():
         make_store(args.store)
+        make_store(Path(f"{args.store}-f16"), "float16", N_FLOAT16)
     trees = {"after": HERE} | ({"before": args.before_tree.resolve()} if args.before_tree else {})
     print("| read | " + " | ".join(f"{name} CPU s | {name} wall s | {name} torch" for name in trees) + " |")
     print("| --- |" + " ---: | ---: | --- |" * len(trees))
