@@ -270,7 +270,8 @@ def test_the_old_names_warn_and_the_view_does_not(stores):
     aliases = [name for name, value in vars(Features).items() if type(value).__name__ == "_TextAlias"]
     assert sorted(OLD_NAMES) == sorted(aliases)
     for name in OLD_NAMES:
-        with pytest.warns(DeprecationWarning, match=rf"Features\.{name} is deprecated: use features\.text\.{name}") as seen:
+        said = rf"Features\.{name} is deprecated: use features\.text\.{name}"
+        with pytest.warns(DeprecationWarning, match=said) as seen:
             getattr(f, name)
         assert [w.filename for w in seen] == [__file__], name
     with warnings.catch_warnings():
