@@ -1,7 +1,10 @@
 """Capture layer activations of PyTorch models into chunked zarr stores, on one or many GPUs.
 
 The public API is imported lazily, so that ``python -m extract.probe`` (or a reader in a training
-script) does not load the extraction pipeline it does not use.
+script) does not load the extraction pipeline it does not use, and a numpy reader (``open_features``,
+``Features.load``) imports no torch: only the names that hand out tensors (``FeatureDataset``,
+``ChunkShuffleSampler``, ``TokenStream``) and the pipeline's import it, when first named
+(tests/test_reading_without_torch.py).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def stored(path, layers=LAYERS) -> dict[str, np.ndarray]:
 def test_the_two_runs_hold_the_same_tokens_in_two_processes_each(text_stores):
     a, b = open_features(text_stores["a"]), open_features(text_stores["b"])
     assert a.attrs["runs"][-1]["world_size"] == b.attrs["runs"][-1]["world_size"] == 2
-    assert a.num_chunks > 40 and np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.offsets, b.offsets)
+    assert a.num_chunks > 40 and np.array_equal(a.text.token_ids, b.text.token_ids) and np.array_equal(a.text.offsets, b.text.offsets)
     for layer in LAYERS:  # other weights: pairing the wrong rows would show
         assert not np.allclose(a.load(layer), b.load(layer), atol=1e-2)
 
@@ -94,11 +94,11 @@ def test_every_row_pair_is_one_token_of_both_stores_once_per_epoch(text_stores, 
             np.testing.assert_array_equal(values[(1, layer)].numpy(), b[layer][rows])
         got.append(rows)
     rows = np.concatenate(got)
-    position = np.arange(f.num_samples) - np.repeat(f.offsets[:-1], np.diff(f.offsets))
+    position = np.arange(f.num_samples) - np.repeat(f.text.offsets[:-1], np.diff(f.text.offsets))
     keep = np.ones(f.num_samples, dtype=bool)
     if exclude:
-        keep = ~f.special & (position >= 2)
-        assert keep.sum() < f.num_samples - f.num_contexts
+        keep = ~f.text.special & (position >= 2)
+        assert keep.sum() < f.num_samples - f.text.num_contexts
     assert Counter(rows.tolist()) == Counter(np.flatnonzero(keep).tolist())
 
 

@@ -15,6 +15,7 @@ import torch
 import zarr
 from helpers import TINY, tiny_models
 from helpers.cli import one_line_error
+from helpers.no_torch import imported_by
 from helpers.reference import reference, synthetic_images
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
@@ -23,6 +24,7 @@ from extract.capture.cast import overflows
 from extract.cli.extract import main as extract_main
 from extract.cli.verify import main as verify_main
 from extract.read import decode_bfloat16
+from extract.read import features as features_module
 from extract.store.stats import chunk_row, columns, merge
 
 IMAGES = ["--data", "synthetic:10", "--image-size", "32", "--num-workers", "0", "--chunk-size", "4",
@@ -103,6 +105,35 @@ def test_feature_dataset_and_xarray_read_a_bfloat16_store(loud):
     assert ds["head"].dtype == np.float32 and "extract_dtype" not in ds["head"].attrs
     np.testing.assert_array_equal(ds["head"].values, open_features(out).load("head"))
     np.testing.assert_array_equal(ds["conv"][3:5, 1].values, open_features(out).load("conv")[3:5, 1])
+
+
+@pytest.mark.parametrize("torch_imported", [False, True])
+def test_a_numpy_reader_of_a_bfloat16_store_widens_in_numpy_without_torch(loud, monkeypatch, torch_imported):
+    """Issue 46: numpy widens the stored bits to float32 (exact) and casts from there, as torch did from its
+    bfloat16 view: the same values, without importing torch; xarray's decoding too."""
+    monkeypatch.setattr(features_module, "_torch_imported", lambda: torch_imported)
+    out = loud[0]
+    f = open_features(out)
+    picked = [3, 1, 3, 9]
+    for layer in ("conv", "head"):
+        bits_stored = zarr.open_group(out, mode="r")[f"features/{layer}"][:]
+        as_bf16 = torch.from_numpy(bits_stored).view(torch.bfloat16)
+        assert f.load(layer).tobytes() == as_bf16.float().numpy().tobytes()
+        assert f.load(layer, picked, dtype="float16").tobytes() == as_bf16[picked].half().numpy().tobytes()
+        assert torch.equal(f.load(layer, picked, as_torch=True), as_bf16[picked].float())
+    script = """
+    import numpy as np, xarray as xr, zarr
+    from extract import open_features
+    from extract.read import decode_bfloat16
+    from extract.store.dtypes import to_float32
+    f = open_features(path)
+    ds = decode_bfloat16(xr.open_zarr(path, group="features", consolidated=False))
+    for layer in f.layers:
+        widened = to_float32(zarr.open_group(path, mode="r")[f"features/{layer}"][:])
+        assert np.array_equal(f.load(layer), widened) and np.array_equal(ds[layer].values, widened)
+        assert np.array_equal(f.load(layer, [4, 0], dtype="float64"), widened[[4, 0]].astype(np.float64))
+    """
+    assert imported_by(script, path=out) == []
 
 
 def test_verify_repair_and_resume_leave_a_bfloat16_store_bit_for_bit(loud, tmp_path, capsys):
@@ -213,7 +244,7 @@ def test_a_token_store_in_bfloat16_equals_each_document_run_alone_bit_for_bit(co
             hidden = model.eval()(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
         hidden = hidden.hidden_states
         for layer, number in TEXT_LAYERS.items():
-            stored = f.document(i, layer, dtype=None, as_torch=True)
+            stored = f.text.document(i, layer, dtype=None, as_torch=True)
             assert torch.equal(stored.view(torch.int16), bits(hidden[number][0])), (i, layer)
             alone[layer].append(hidden[number][0].to(torch.bfloat16))
     every = {layer: torch.cat(rows) for layer, rows in alone.items()}

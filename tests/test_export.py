@@ -87,7 +87,7 @@ def test_the_export_loads_with_saelenss_features_and_the_stores_rows(packed, exp
     ds = ds.with_format("numpy")
     rows = f.load("transformer.h.0").reshape(82, PACK, 32)
     np.testing.assert_array_equal(ds["blocks.0.hook_resid_post"][:], rows)
-    np.testing.assert_array_equal(ds["token_ids"][:], f.token_ids.reshape(82, PACK))
+    np.testing.assert_array_equal(ds["token_ids"][:], f.text.token_ids.reshape(82, PACK))
     assert str(ds.data.schema.field("token_ids").type) == f"fixed_size_list<item: int32>[{PACK}]"
     assert (ds["token_ids"][:][:, 0] == f.pack["bos"]).all()
     metadata = json.loads((exported.path / "extract_export.json").read_text())
@@ -109,7 +109,7 @@ def test_blocks_of_a_few_contexts_float16_and_the_default_hook_name(packed, tmp_
     np.testing.assert_array_equal(
         ds["hidden_states.2"][:], f.load("hidden_states.2", dtype="float16").reshape(82, PACK, 32)
     )
-    np.testing.assert_array_equal(ds["token_ids"][:], f.token_ids.reshape(82, PACK))
+    np.testing.assert_array_equal(ds["token_ids"][:], f.text.token_ids.reshape(82, PACK))
 
 
 def test_memory_holds_a_block_not_the_layer(packed, tmp_path, monkeypatch):
@@ -136,8 +136,8 @@ def test_memory_holds_a_block_not_the_layer(packed, tmp_path, monkeypatch):
 
 def test_load_token_ids_reads_a_slice(packed):
     f = open_features(packed)
-    np.testing.assert_array_equal(f.load_token_ids(slice(90, 250)), f.token_ids[90:250])
-    assert f.load_token_ids(slice(90, 250)).dtype == np.int32
+    np.testing.assert_array_equal(f.text.load_token_ids(slice(90, 250)), f.text.token_ids[90:250])
+    assert f.text.load_token_ids(slice(90, 250)).dtype == np.int32
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,7 @@ def test_saelens_caches_the_same_contexts_to_the_same_dataset(sae_lens, corpus, 
     from sae_lens import CacheActivationsRunner, CacheActivationsRunnerConfig
 
     f = open_features(packed)
-    contexts = datasets.Dataset.from_dict({"input_ids": f.token_ids.reshape(82, PACK).astype(np.int64)})
+    contexts = datasets.Dataset.from_dict({"input_ids": f.text.token_ids.reshape(82, PACK).astype(np.int64)})
     tokens = 82 * PACK
     config = CacheActivationsRunnerConfig(
         dataset_path=str(tmp_path / "unused"), model_name=str(corpus[1]), model_class_name="AutoModelForCausalLM",

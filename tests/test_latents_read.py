@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers.no_torch import imported_by
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
@@ -174,7 +175,7 @@ def test_top_command_equals_brute_force(store, tmp_path, capsys):
     for record in sorted(table, key=lambda r: (r["latent"], r["rank"])):
         got.setdefault(record["latent"], []).append((record["row"], record["activation"]))
     assert got == expected
-    token_ids, offsets, keys = f.token_ids, f.offsets, f.keys
+    token_ids, offsets, keys = f.text.token_ids, f.text.offsets, f.keys
     kept = np.zeros((f.num_samples, D_SAE), dtype=np.float32)
     r, s = np.nonzero(indices >= 0)
     kept[r, indices[r, s]] = values[r, s]
@@ -241,4 +242,29 @@ def test_token_stream_over_codes(store, workers):
         for rank in range(2)
     ]  # fmt: skip
     both = np.concatenate(ranks)
-    assert len(both) == len(set(both.tolist())) and set(both.tolist()) == set(np.flatnonzero(~f.special).tolist())
+    assert len(both) == len(set(both.tolist())) and set(both.tolist()) == set(np.flatnonzero(~f.text.special).tolist())
+
+
+def test_a_numpy_reader_of_tokens_and_codes_imports_no_torch(store):
+    """Issue 46: a token store's rows (float16, read as float32), its text view, its SAE codes (scipy's
+    sparse matrix, one latent, their statistics) and xarray, in a fresh interpreter without torch."""
+    script = """
+    import numpy as np, scipy.sparse, xarray as xr, zarr
+    from extract import open_features
+    f = open_features(path)
+    raw = zarr.open_group(path, mode="r")
+    assert np.array_equal(f.load(layer), raw[f"features/{layer}"][:].astype(np.float32))
+    assert np.array_equal(f.load(layer, [9, 2, 2]), raw[f"features/{layer}"][[9, 2, 2]].astype(np.float32))
+    text = f.text
+    assert np.array_equal(text.token_ids, raw["token_ids"][:]) and np.array_equal(text.offsets, raw["offsets"][:])
+    assert text.num_contexts == text.num_documents == text.num_source_documents == len(f.keys) == len(f.labels)
+    assert text.document(1, layer).shape == (int(np.diff(text.offsets)[1]), f.shapes[layer][0])
+    assert f.valid.all() and "tokens of" in repr(f)
+    codes = f.latents(layer)
+    assert isinstance(codes, scipy.sparse.csr_array) and codes.shape == (f.num_samples, d_sae)
+    assert np.array_equal(f.latent(layer, 3), codes[:, [3]].toarray()[:, 0])
+    assert f.codes(layer, slice(0, 10))[0].shape[0] == 10 and f.stats("latents/" + layer)["count"].shape == (d_sae,)
+    ds = xr.open_zarr(path, group="features", consolidated=False)
+    assert ds[layer].shape == (f.num_samples, f.shapes[layer][0])
+    """
+    assert imported_by(script, path=store[0], layer=LAYER, d_sae=D_SAE) == []

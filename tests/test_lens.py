@@ -240,13 +240,13 @@ def test_the_cli_stores_every_name_as_transformer_lens_computes_it(folders, tmp_
     norms = []
     hf.transformer.h[1].ln_2.register_forward_hook(lambda m, i, o: norms.append(o))
     for i in range(len(documents)):
-        ids = torch.from_numpy(f.token_ids[f.offsets[i] : f.offsets[i + 1]].astype(np.int64))[None]
+        ids = torch.from_numpy(f.text.token_ids[f.text.offsets[i] : f.text.offsets[i + 1]].astype(np.int64))[None]
         with torch.inference_mode():
             _, cache = reference.run_with_cache(ids)
             hf(input_ids=ids)
         for name in names | {"hook_embed", "unembed.hook_in"}:
-            np.testing.assert_allclose(f.document(i, name), cache[name][0].numpy(), rtol=0, atol=ATOL, err_msg=name)
-        np.testing.assert_allclose(f.document(i, "transformer.h.1.mlp@input"), norms[-1][0].numpy(), rtol=0, atol=ATOL)
+            np.testing.assert_allclose(f.text.document(i, name), cache[name][0].numpy(), rtol=0, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(f.text.document(i, "transformer.h.1.mlp@input"), norms[-1][0].numpy(), rtol=0, atol=ATOL)
 
 
 def test_the_cli_refuses_a_missing_name_in_one_line(folders, tmp_path, cli):

@@ -152,7 +152,7 @@ def _check_against_transformers(store, model_path) -> float:
     """Every row of ``store``'s routers against each document (context) run alone; the largest logit
     difference. Experts must be the same where the k-th and next probabilities are not a near tie."""
     features, model = open_features(store), _model(model_path)
-    offsets, ids = features.offsets, features.token_ids
+    offsets, ids = features.text.offsets, features.text.token_ids
     logits = {router: features.load(router) for router in ROUTERS}
     codes = {router: features.codes(router) for router in ROUTERS}
     worst, compared = 0.0, 0
@@ -294,7 +294,7 @@ def test_every_moe_family_split_over_the_group_gives_each_document_as_run_alone(
     held = zarr.open_group(store, mode="r").attrs["runs"][-1]["parameter_bytes"]
     assert len(held) == 2 and all(size <= whole - experts / 2 + 64 for size in held), (held, whole, experts)
     features = open_features(store)
-    offsets, ids = features.offsets, features.token_ids
+    offsets, ids = features.text.offsets, features.text.token_ids
     routers = [f"model.layers.{i}.mlp@router" for i in FAMILIES[kind]]
     stored = {layer: features.load(_stored(kind, layer)) for layer in [*routers, *FAMILY_MODULES]}
     codes = {router: features.codes(router) for router in routers}

@@ -111,10 +111,10 @@ def test_a_token_store_missing_a_done_chunk_is_damaged_for_document_the_dataset_
     path = copy(stores, "tokens", tmp_path)
     damage(path, TOKEN_LAYER, 3, "lost")
     f = open_features(path)
-    inside = int(f.documents_of(np.array([200]))[0])  # a document with rows in chunk 3 (tokens 192-255)
+    inside = int(f.text.documents_of(np.array([200]))[0])  # a document with rows in chunk 3 (tokens 192-255)
     for read in (
         lambda: f.load(TOKEN_LAYER),
-        lambda: f.document(inside),
+        lambda: f.text.document(inside),
         lambda: f.text.document(inside),
         lambda: f.stats(TOKEN_LAYER),
         lambda: FeatureDataset(path, TOKEN_LAYER)[200],
@@ -124,12 +124,12 @@ def test_a_token_store_missing_a_done_chunk_is_damaged_for_document_the_dataset_
         with pytest.raises(StoreDamagedError) as error:
             read()
         one_line_naming(error, path, 3, 192, 255)
-    assert np.isfinite(f.document(0)).all() and int(f.offsets[1]) <= 192  # document 0 is in chunk 0
+    assert np.isfinite(f.text.document(0)).all() and int(f.text.offsets[1]) <= 192  # document 0 is in chunk 0
     # the same store as an unfinished job leaves it: the chunk is not written yet, and reads as NaN
     zarr.open_group(path, mode="r+").attrs["status"] = "running"
     partial = open_features(path, allow_partial=True)
     assert np.isnan(partial.load(TOKEN_LAYER, slice(192, 256))).all()
-    assert np.isfinite(partial.document(0)).all()
+    assert np.isfinite(partial.text.document(0)).all()
 
 
 @pytest.mark.parametrize("name", ["special", "token_ids"])
@@ -138,14 +138,14 @@ def test_a_torn_per_token_object_is_named_with_its_chunk(stores, tmp_path, name)
     tear(path / name / "c" / "3")
     f = open_features(path)
     reads = {
-        "special": [lambda: f.special, lambda: list(TokenStream(path, TOKEN_LAYER, 16, exclude="special"))],
-        "token_ids": [lambda: f.token_ids, lambda: f.load_token_ids(slice(150, 250))],
+        "special": [lambda: f.text.special, lambda: list(TokenStream(path, TOKEN_LAYER, 16, exclude="special"))],
+        "token_ids": [lambda: f.text.token_ids, lambda: f.text.load_token_ids(slice(150, 250))],
     }[name]
     for read in reads:
         with pytest.raises(StoreDamagedError) as error:
             read()
         one_line_naming(error, path, 3, 192, 255)
-    assert f.load_token_ids(slice(0, 192)).shape == (192,)  # the other chunks read
+    assert f.text.load_token_ids(slice(0, 192)).shape == (192,)  # the other chunks read
 
 
 @pytest.mark.parametrize("how", ["torn", "missing"])
@@ -156,7 +156,7 @@ def test_a_damaged_per_document_object_is_named_with_its_fix(stores, tmp_path, n
     tear(damaged) if how == "torn" else damaged.unlink()
     f = open_features(path)
     reads = {
-        "offsets": [lambda: f.offsets, lambda: f.document(0), lambda: list(TokenStream(path, TOKEN_LAYER, 16, exclude="first:1"))],
+        "offsets": [lambda: f.text.offsets, lambda: f.text.document(0), lambda: list(TokenStream(path, TOKEN_LAYER, 16, exclude="first:1"))],
         "labels": [lambda: f.labels, lambda: FeatureDataset(path, TOKEN_LAYER)[0]],
         "valid": [lambda: f.valid],
         "keys": [lambda: f.keys],

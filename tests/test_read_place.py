@@ -141,7 +141,7 @@ def test_a_misplaced_feature_object_is_named_by_every_reader(stores, tmp_path, n
         lambda: f.load(LAYER),
         lambda: f.load(LAYER, [row, 0]),
         lambda: f.load(LAYER, slice(row, row + 2), dtype=None),
-        lambda: f.document(int(f.documents_of(np.array([row]))[0]), LAYER),
+        lambda: f.text.document(int(f.text.documents_of(np.array([row]))[0]), LAYER),
         lambda: FeatureDataset(path, LAYER)[row],
         lambda: list(TokenStream(path, LAYER, 16, threads=2)),
         lambda: list(TokenStream(path, LAYER, 16, threads=0, dtype="float16")),
@@ -187,8 +187,8 @@ def test_a_misplaced_token_row_object_is_named(stores, tmp_path):
     misplace(path, "token_ids", "copied")
     f = open_features(path)
     for read, array in (
-        (lambda: f.token_ids, "token_ids"),
-        (lambda: f.load_token_ids(slice(DAMAGED * CHUNK, DAMAGED * CHUNK + 4)), "token_ids"),
+        (lambda: f.text.token_ids, "token_ids"),
+        (lambda: f.text.load_token_ids(slice(DAMAGED * CHUNK, DAMAGED * CHUNK + 4)), "token_ids"),
     ):
         with pytest.raises(StoreDamagedError) as error:
             read()

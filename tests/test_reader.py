@@ -310,7 +310,9 @@ def test_a_packed_store_names_its_samples_contexts(tmp_path):
                  "--pack", "48", "--out", str(out)]) == 0  # fmt: skip
     f = open_features(out)
     contexts = f.num_samples // 48
-    assert f.num_contexts == f.text.num_contexts == contexts == f.pack["contexts"] == len(f.offsets) - 1
-    assert f.num_source_documents == len(documents) == len(f.keys)
+    assert f.text.num_contexts == contexts == f.pack["contexts"] == len(f.text.offsets) - 1
+    assert f.text.num_source_documents == len(documents) == len(f.keys)
+    with pytest.warns(DeprecationWarning, match=r"use features\.text\."):  # the old names: the view's, warning
+        assert f.num_contexts == f.text.num_contexts and f.num_source_documents == f.text.num_source_documents
     assert f"{f.num_samples} tokens in {contexts} contexts of 48, from {len(documents)} documents" in repr(f)
     assert "num_contexts" in type(f.text).num_documents.__doc__  # the old name says what it counts here

@@ -173,7 +173,7 @@ def test_a_killed_run_resumed_by_another_process_count_gives_the_bytes_of_one_an
     resumed = open_features(out)
     assert 0 < launched["done_before"] < resumed.num_chunks
     assert [run["world_size"] for run in resumed.attrs["runs"]] == [2, 3]
-    assert (resumed.token_ids == reference.token_ids).all()
+    assert (resumed.text.token_ids == reference.text.token_ids).all()
     for layer in reference.layers:
         assert close(resumed.load(layer), reference.load(layer)), layer
 
@@ -186,7 +186,7 @@ def test_a_killed_run_resumed_by_another_process_count_gives_the_bytes_of_one_an
     assert main(_text_job(corpus, out, *RAGGED)) == 0
     assert verify([str(out)]) == 0
     repaired = open_features(out)
-    assert (repaired.token_ids == reference.token_ids).all()
+    assert (repaired.text.token_ids == reference.text.token_ids).all()
     for layer in reference.layers:
         assert close(repaired.load(layer), reference.load(layer)), layer
     assert_same_bytes(out, references / "ragged.zarr")
@@ -224,7 +224,7 @@ def test_two_and_three_processes_equal_one(launched, gpt2_reference):
         assert result.codes == [0] * processes, result.stderr[-3000:]
         f = open_features(sequence.folder / "tokens.zarr")
         assert f.store.done_flags().all() and f.attrs["runs"][-1]["world_size"] == processes
-        assert (f.token_ids == reference.token_ids).all() and (f.keys == reference.keys).all()
+        assert (f.text.token_ids == reference.text.token_ids).all() and (f.keys == reference.keys).all()
         for layer in reference.layers:
             values = f.load(layer)
             assert not np.isnan(values).any() and close(values, reference.load(layer)), (processes, layer)
@@ -242,14 +242,14 @@ def test_packed_contexts_equal_the_tokenizers_concatenation_each_run_alone(token
     assert "contexts of 48 tokens" in result.stderr and "were dropped" in result.stderr, result.stderr[-3000:]
     f = open_features(sequence.folder / "token-packed.zarr")
     contexts, doc, position, tail = packed_by_hand(models[kind], documents, separator_is_bos=kind == "llama")
-    assert f.kind == "tokens" and f.num_documents == len(contexts) and (np.diff(f.offsets) == PACK).all()
+    assert f.kind == "tokens" and f.text.num_documents == len(contexts) and (np.diff(f.text.offsets) == PACK).all()
     assert f.pack["contexts"] == len(contexts) and f.pack["dropped_tokens"] == tail
     assert f.pack["source_documents"] == len(documents)
-    assert f.token_ids.tolist() == contexts.reshape(-1).tolist()
-    assert (f.doc == doc.reshape(-1)).all() and (f.doc_position == position.reshape(-1)).all()
-    assert (f.special == (doc.reshape(-1) < 0)).all()  # the docstrings hold no special token of their own
+    assert f.text.token_ids.tolist() == contexts.reshape(-1).tolist()
+    assert (f.text.doc == doc.reshape(-1)).all() and (f.text.doc_position == position.reshape(-1)).all()
+    assert (f.text.special == (doc.reshape(-1) < 0)).all()  # the docstrings hold no special token of their own
     assert f.keys.tolist() == [f"docs.jsonl/{i}" for i in range(len(documents))]
-    assert f.token_positions.tolist() == np.tile(np.arange(PACK), len(contexts)).tolist()
+    assert f.text.token_positions.tolist() == np.tile(np.arange(PACK), len(contexts)).tolist()
     model = tf.AutoModelForCausalLM.from_pretrained(models[kind]).eval()
     with torch.inference_mode():
         out = model(input_ids=torch.from_numpy(contexts), output_hidden_states=True)

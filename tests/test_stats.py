@@ -142,10 +142,10 @@ def test_a_chunk_larger_than_the_store_holds_it_whole(corpus, tokens, tmp_path):
         f = open_features(out)
         assert f.num_chunks == 1 and f.chunk_size == chunk
         if pool == "none":
-            np.testing.assert_array_equal(f.token_ids, many.token_ids)
+            np.testing.assert_array_equal(f.text.token_ids, many.text.token_ids)
             np.testing.assert_allclose(f.load(TEXT_LAYERS[0]), token_rows, rtol=2e-3, atol=2e-3)
         else:  # each document's mean over its own stored token rows
-            edges = zip(many.offsets[:23], many.offsets[1:24], strict=True)  # the 24th is the empty document
+            edges = zip(many.text.offsets[:23], many.text.offsets[1:24], strict=True)  # the 24th is the empty document
             means = np.stack([token_rows[a:b].mean(axis=0) for a, b in edges])
             np.testing.assert_allclose(f.load(TEXT_LAYERS[0])[:23], means, rtol=1e-2, atol=1e-2)
             assert f.keys.tolist() == many.keys.tolist()

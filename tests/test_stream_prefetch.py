@@ -110,7 +110,7 @@ def test_an_epoch_over_s3_is_the_local_copys_batches_each_object_fetched_once(st
         np.testing.assert_array_equal(a, b)
     for a, b in zip(values_local, values_s3, strict=True):
         assert a.keys() == b.keys() and all(np.array_equal(a[layer], b[layer]) for layer in a)
-    assert np.concatenate(rows_s3).size == int((~f.special).sum())
+    assert np.concatenate(rows_s3).size == int((~f.text.special).sum())
     # every object of both layers and of the special flags, fetched once (none again by a per-chunk read)
     read = {key: count for key, count in chunk_gets["keys"].items() if "/features/" in key or "/special/" in key}
     arrays = Counter(key.rpartition("/c/")[0].rpartition(".zarr/")[2] for key in read)

@@ -210,7 +210,7 @@ def largest_difference(store: Path, model_dir: Path, layers: dict = MODULES) -> 
     """The largest |stored - alone| over every document's (or context's) rows of every layer, relative to
     the layer's largest magnitude."""
     features = open_features(store)
-    offsets, ids = features.offsets, features.token_ids
+    offsets, ids = features.text.offsets, features.text.token_ids
     worst = 0.0
     for index in range(len(offsets) - 1):
         rows = slice(int(offsets[index]), int(offsets[index + 1]))
@@ -383,7 +383,7 @@ def test_sae_codes_and_the_saelens_export_of_a_tensor_parallel_store(corpus, sae
     contexts, size = features.pack["contexts"], features.pack["context_length"]
     cache = datasets.load_from_disk(str(tmp_path / "cache")).with_format("numpy")
     np.testing.assert_array_equal(cache[HIDDEN][:], features.load(HIDDEN).reshape(contexts, size, 64))
-    np.testing.assert_array_equal(cache["token_ids"][:], features.token_ids.reshape(contexts, size))
+    np.testing.assert_array_equal(cache["token_ids"][:], features.text.token_ids.reshape(contexts, size))
 
 
 def test_a_mixture_of_experts_split_over_two_groups_of_two_gives_every_document_as_run_alone(corpus, launched):

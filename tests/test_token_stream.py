@@ -5,6 +5,7 @@ contexts of their window; epochs reshuffle deterministically; bad rules, image s
 layers are refused in one line."""
 
 import shutil
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -18,6 +19,7 @@ from extract import TokenStream, open_features
 from extract.cli.extract import main as extract_main
 from extract.errors import ExtractError, LayerNotFoundError, StoreDamagedError
 from extract.read import tokens as token_module
+from extract.read.features import Features
 from extract.read.tokens import ExcludeRuleError
 
 LAYERS = ["transformer.h.0", "hidden_states.2"]
@@ -49,19 +51,19 @@ def epoch_rows(stream, **loader) -> list[np.ndarray]:
 
 def pairs(f, rows: np.ndarray) -> Counter:
     """The multiset of (context or document, position) of ``rows``, by the reader's own maps."""
-    docs = f.documents_of(rows)
-    return Counter(zip(docs.tolist(), (rows - f.offsets[docs]).tolist(), strict=True))
+    docs = f.text.documents_of(rows)
+    return Counter(zip(docs.tolist(), (rows - f.text.offsets[docs]).tolist(), strict=True))
 
 
 def numpy_kept(f, exclude, layers) -> np.ndarray:
     """The rows ``exclude`` keeps, computed independently: numpy over the stored arrays, norms in float64."""
-    lengths = np.diff(f.offsets)
+    lengths = np.diff(f.text.offsets)
     position = np.concatenate([np.arange(n) for n in lengths])
     keep = np.ones(f.num_samples, dtype=bool)
     for rule in exclude:
         name, _, value = rule.partition(":")
         if name == "special":
-            keep &= ~f.special
+            keep &= ~f.text.special
         elif name == "first":
             keep &= position >= int(value)
     for rule in exclude:
@@ -107,7 +109,7 @@ def test_every_kept_token_once_per_epoch_with_the_stored_values(stores, name, ex
     rows = np.concatenate(got)
     assert pairs(f, rows) == pairs(f, expected)  # each (context, position) once: no repeats, none missing
     if "special" in exclude:
-        assert f.special.sum() > 100 and not f.special[rows].any()
+        assert f.text.special.sum() > 100 and not f.text.special[rows].any()
 
 
 def test_drop_last_and_output_dtypes(stores):
@@ -141,8 +143,8 @@ def test_batches_mix_the_contexts_of_their_window(stores):
         if 64 * j + len(rows) > edges[w] or len(windows[w]) < 8 or edges[w] - (edges[w - 1] if w else 0) < 512:
             continue  # straddles two windows, or a window short of 16 contexts
         window_rows = np.concatenate([np.arange(c * CHUNK, (c + 1) * CHUNK) for c in windows[w]])
-        available = set(f.documents_of(window_rows).tolist())
-        contexts = set(f.documents_of(rows).tolist())
+        available = set(f.text.documents_of(window_rows).tolist())
+        contexts = set(f.text.documents_of(rows).tolist())
         assert len(available) == 16 and contexts <= available
         assert len(contexts) >= 0.8 * len(available), (j, len(contexts))
         assert len(set((rows // CHUNK).tolist())) >= 7  # rows from (nearly) every chunk of the window
@@ -226,6 +228,13 @@ def test_a_lost_chunk_is_named_not_streamed_as_nan(stores, tmp_path):
             pass
 
 
+OLD_NAMES = (
+    "offsets", "token_ids", "load_token_ids", "special", "doc", "doc_position", "num_documents", "num_contexts",
+    "num_source_documents", "token_documents", "documents_of", "token_positions", "document",
+)  # fmt: skip
+
+
+@pytest.mark.filterwarnings(r"ignore:Features\.\w+ is deprecated:DeprecationWarning")  # asserted below
 @pytest.mark.parametrize("name", ["packed", "ragged"])
 def test_the_text_view_and_the_old_names_agree(stores, name, tmp_path):
     f = open_features(stores[name])
@@ -252,3 +261,21 @@ def test_the_text_view_and_the_old_names_agree(stores, name, tmp_path):
     for read in (lambda: image_features.text, lambda: image_features.offsets, lambda: image_features.document(0)):
         with pytest.raises(ExtractError, match=r"is an image store; offsets, token ids and documents belong to text"):
             read()
+
+
+def test_the_old_names_warn_and_the_view_does_not(stores):
+    """Issue 46: one spelling, ``features.text.<name>``; the 13 old names on ``Features`` still read the
+    view's but warn, naming the new spelling, at the reader's line."""
+    f = open_features(stores["packed"])
+    aliases = [name for name, value in vars(Features).items() if type(value).__name__ == "_TextAlias"]
+    assert sorted(OLD_NAMES) == sorted(aliases)
+    for name in OLD_NAMES:
+        said = rf"Features\.{name} is deprecated: use features\.text\.{name}"
+        with pytest.warns(DeprecationWarning, match=said) as seen:
+            getattr(f, name)
+        assert [w.filename for w in seen] == [__file__], name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in OLD_NAMES:
+            getattr(f.text, name)
+        assert f.pack is not None and f.kind == "tokens" and "contexts" in repr(f)  # Features' own: no warning

@@ -51,7 +51,7 @@ def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
     # GPT-2 adds no special tokens, so the empty document has none; Llama's has BOS, BERT's CLS and SEP
     assert ("1 documents have no tokens" in err) == (kind == "gpt2"), err
     f = open_features(out)
-    assert f.kind == "tokens" and f.num_documents == len(documents)
+    assert f.kind == "tokens" and f.text.num_documents == len(documents)
     assert f.keys.tolist() == [f"docs.jsonl/{i}" for i in range(len(documents))]
     assert f.labels.tolist() == labels
     assert f.attrs["tokenizer"]["vocab_size"] == 400
@@ -61,23 +61,23 @@ def test_token_rows_equal_each_document_run_alone(corpus, kind, tmp_path, cli):
 
     tokenizer = tf.AutoTokenizer.from_pretrained(models[kind])
     full = [len(tokenizer(d)["input_ids"]) for d in documents]
-    assert truncation["tokens_dropped"] == sum(full) - len(f.token_ids)
+    assert truncation["tokens_dropped"] == sum(full) - len(f.text.token_ids)
     assert truncation["documents_truncated"] == sum(n > CONTEXT for n in full)
     for i, document in enumerate(documents):
-        rows = slice(f.offsets[i], f.offsets[i + 1])
+        rows = slice(f.text.offsets[i], f.text.offsets[i + 1])
         if not document and kind == "gpt2":
             assert rows.start == rows.stop
             continue
         ids, special, out_alone = _alone(models[kind], kind, document)
-        assert f.token_ids[rows].tolist() == ids.tolist(), i
-        assert f.special[rows].tolist() == special.tolist(), i
+        assert f.text.token_ids[rows].tolist() == ids.tolist(), i
+        assert f.text.special[rows].tolist() == special.tolist(), i
         for layer, number in HIDDEN[kind].items():
-            assert close(f.document(i, layer), out_alone.hidden_states[number][0].numpy()), (i, layer)
+            assert close(f.text.document(i, layer), out_alone.hidden_states[number][0].numpy()), (i, layer)
         if kind == "gpt2":
-            assert close(f.document(i, "lm_head"), out_alone.logits[0].numpy()), i
+            assert close(f.text.document(i, "lm_head"), out_alone.logits[0].numpy()), i
     if kind == "llama":  # BOS flagged special, once per document
-        starts = f.offsets[:-1][np.diff(f.offsets) > 0]
-        assert f.special[starts].all() and f.special.sum() == len(starts)
+        starts = f.text.offsets[:-1][np.diff(f.text.offsets) > 0]
+        assert f.text.special[starts].all() and f.text.special.sum() == len(starts)
 
 
 def test_batches_do_not_change_the_rows(corpus, gpt2_reference, tmp_path, cli):
@@ -85,7 +85,7 @@ def test_batches_do_not_change_the_rows(corpus, gpt2_reference, tmp_path, cli):
     code, _, err = cli(*token_job(corpus, "gpt2", out, "--batch-size", "2", "--tokens-per-batch", "64"))
     assert code == 0, err
     small, reference = open_features(out), open_features(gpt2_reference)
-    assert (small.token_ids == reference.token_ids).all() and (small.offsets == reference.offsets).all()
+    assert (small.text.token_ids == reference.text.token_ids).all() and (small.text.offsets == reference.text.offsets).all()
     for layer in reference.layers:
         assert close(small.load(layer), reference.load(layer)), layer
 
@@ -96,10 +96,10 @@ def test_pooled_documents_equal_numpy_over_their_tokens(corpus, gpt2_reference, 
     code, _, err = cli(*token_job(corpus, "gpt2", out, "--pool", *pools, "--tokens-per-batch", "200"))
     assert code == 0, err
     pooled, tokens = open_features(out), open_features(gpt2_reference)
-    assert pooled.kind == "documents" and len(pooled) == tokens.num_documents
+    assert pooled.kind == "documents" and len(pooled) == tokens.text.num_documents
     assert pooled.labels.tolist() == tokens.labels.tolist()
-    for i in range(tokens.num_documents):
-        rows = {layer: tokens.document(i, layer) for layer in tokens.layers}
+    for i in range(tokens.text.num_documents):
+        rows = {layer: tokens.text.document(i, layer) for layer in tokens.layers}
         if not len(rows["lm_head"]):  # the empty document: a row of NaN, not valid
             assert np.isnan(pooled.load("transformer.h.0", [i])).all() and not pooled.valid[i]
             continue
@@ -267,7 +267,7 @@ def test_feature_dataset_serves_every_token_once_with_its_documents_label(gpt2_r
     assert sorted(seen) == list(range(f.num_samples))
     expected = f.load("transformer.h.0")
     assert np.array_equal(np.stack(rows), expected[seen])
-    assert labels == f.labels[f.token_documents[seen]].tolist()
+    assert labels == f.labels[f.text.token_documents[seen]].tolist()
     batches = DataLoader(dataset, batch_sampler=sampler, num_workers=0)
     assert sum(len(x) for x, _ in batches) == f.num_samples
 
@@ -321,11 +321,11 @@ def test_every_text_source_gives_the_same_rows(corpus, tmp_path, cli):
         assert code == 0, (name, err)
         stores[name] = open_features(out)
     reference = stores["jsonl"]
-    assert reference.token_ids.tolist() == [i for row in ids for i in row]
+    assert reference.text.token_ids.tolist() == [i for row in ids for i in row]
     assert stores["parquet"].keys.tolist() == [f"a.parquet/{i}" for i in range(len(texts))]
     assert stores["txt"].keys.tolist() == [f"{i:02d}.txt" for i in range(len(texts))]
     for name, store in stores.items():
-        assert (store.token_ids == reference.token_ids).all() and (store.offsets == reference.offsets).all(), name
+        assert (store.text.token_ids == reference.text.token_ids).all() and (store.text.offsets == reference.text.offsets).all(), name
         if name != "txt":
             assert store.labels.tolist() == labels, name
         for layer in reference.layers:

@@ -359,7 +359,7 @@ def _token_contexts(features: Features, layer: str, hook_name: str, dtype: str) 
     def read(first: int, last: int) -> dict[str, np.ndarray]:
         rows = slice(first * context_size, last * context_size)
         values = np.asarray(features.load(layer, rows, dtype=dtype))
-        ids = features.load_token_ids(rows).astype(np.int32, copy=False)
+        ids = features.text.load_token_ids(rows).astype(np.int32, copy=False)
         return {
             hook_name: values.reshape(last - first, context_size, -1),
             "token_ids": ids.reshape(last - first, context_size),

@@ -129,7 +129,7 @@ class FeatureDataset(Dataset):
             for layer in self.layers
         }
         if self._features.kind is Kind.TOKENS:  # a token's label is its document's
-            labels = self._features.labels[self._features.documents_of(rows)]
+            labels = self._features.labels[self._features.text.documents_of(rows)]
         else:
             labels = self._features.load_labels(rows)
         if self.patches is not None:  # each image's patches, in order, with the image's label

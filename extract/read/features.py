@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
-import torch
 import zarr
 from zarr.buffer.cpu import NDBuffer
 
@@ -28,7 +29,6 @@ from ..errors import (
 )
 from ..names import Kind
 from ..names.layers import closest
-from ..names.pooling import make_pool
 from ..store import dtypes as storage
 from ..store.chunks import Plan
 from ..store.location import Location, locate
@@ -39,6 +39,9 @@ from ..store.store import FeatureStore
 from . import latents as sae_codes
 from .checked import CheckedReads
 from .text_view import TextView
+
+if TYPE_CHECKING:  # torch is imported by the reads that make or pool tensors only: a numpy reader needs none
+    import torch
 
 Index = slice | Sequence[int] | np.ndarray | None
 T = TypeVar("T")
@@ -123,19 +126,25 @@ def _prefetched(array: zarr.Array, selections: list[slice | np.ndarray]) -> Iter
             yield block
 
 
-def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
-    """An uninitialized tensor in numpy's memory: numpy asks for transparent huge pages for large
+def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> np.ndarray | torch.Tensor:
+    """An uninitialized array in numpy's memory: numpy asks for transparent huge pages for large
     arrays, so filling it page-faults far less than filling a ``torch.empty`` (2x faster here). bfloat16,
-    which numpy has not, is numpy's bytes in a torch view."""
+    which numpy has not (and only a torch read asks for), is numpy's bytes in a torch view."""
     if dtype == storage.BFLOAT16:
+        import torch
+
         return torch.from_numpy(np.empty((*shape, 2), dtype=np.uint8)).view(torch.bfloat16).view(shape)
     try:
-        return torch.from_numpy(np.empty(shape, dtype=np.dtype(dtype)))
+        numpy_dtype = np.dtype(dtype)
     except TypeError:
+        numpy_dtype = None
+    # the dtypes ``torch.from_numpy`` takes, so that numpy and torch reads refuse the same ones
+    if numpy_dtype is None or numpy_dtype.kind not in "biufc":
         raise ExtractError(
             f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64, or bfloat16 "
             "with as_torch=True)"
-        ) from None
+        )
+    return np.empty(shape, dtype=numpy_dtype)
 
 
 # dimension names (after the sample axis, without the layer's prefix) -> the layout they spell
@@ -199,25 +208,58 @@ def _blocks(rows: _Rows, array: zarr.Array, chunk: int) -> Iterator[tuple[slice 
         yield (slice(int(picked[0]), int(picked[-1]) + 1) if contiguous else picked), int(lo)
 
 
+def _stored_view(out: np.ndarray | torch.Tensor, array: zarr.Array) -> np.ndarray | None:
+    """``out``'s memory as the numpy dtype ``array`` stores, when its values are the stored values
+    unconverted (zarr then decodes straight into it); None when they need a conversion."""
+    if isinstance(out, np.ndarray):
+        return out if out.dtype == array.dtype and not storage.is_bfloat16(array) else None
+    return storage.numpy_view(out, array)
+
+
+def _torch_imported() -> bool:
+    """Whether this process has imported torch: then a conversion (float16 to float32, say) is torch's, the
+    same values for ~1/8 of the CPU (0.11 against 0.9 CPU-s a GB of float16 here: torch's cast is
+    vectorized, numpy's float16 cast is not); a process without torch saves its import (~2 CPU-s), which
+    a read of less than ~2.5 GB of float16 would not win back (benchmarks/RESULTS.md)."""
+    return "torch" in sys.modules
+
+
 def _load_into(
-    array: zarr.Array, rows: _Rows, reduce: Any, out: torch.Tensor, blocks: list, as_torch: bool
+    array: zarr.Array, rows: _Rows, reduce: Any, out: np.ndarray | torch.Tensor, blocks: list
 ) -> np.ndarray | torch.Tensor:
-    """``blocks`` of ``array`` into ``out``, each reduced by ``reduce`` (None: as stored), in the caller's order."""
-    target = storage.numpy_view(out, array)  # None when the stored values need a conversion
+    """``blocks`` of ``array`` into ``out``, each reduced by ``reduce`` (None: as stored), in the caller's
+    order. Torch is imported only where it computes: to pool, or to fill a bfloat16 tensor (and converts
+    where a process has imported it already: ``_torch_imported``)."""
+    target = _stored_view(out, array)  # None when the stored values need a conversion
+    selections = [selection for selection, _ in blocks]
     if reduce is None and target is not None:
         # zarr decodes each chunk and copies it into ``out``: no second copy of the layer
         for selection, at in blocks:
             _read(array, selection, target[at:])
+    elif reduce is None and isinstance(out, np.ndarray) and not _torch_imported():
+        # numpy's casts give torch's values (round to nearest even; beyond float16: inf, silently, as
+        # torch's did); bfloat16 bits widen to float32 exactly
+        bfloat16 = storage.is_bfloat16(array)
+        with np.errstate(over="ignore", invalid="ignore"):
+            for (_, at), block in zip(blocks, _prefetched(array, selections), strict=True):
+                out[at : at + len(block)] = storage.to_float32(block) if bfloat16 else block
     else:
-        compute_dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-        for (_, at), block in zip(blocks, _prefetched(array, [selection for selection, _ in blocks]), strict=True):
+        import torch
+
+        tensor = torch.from_numpy(out) if isinstance(out, np.ndarray) else out  # the same memory
+        compute_dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        for (_, at), block in zip(blocks, _prefetched(array, selections), strict=True):
             values = storage.as_tensor(block, storage.is_bfloat16(array))
             if reduce is not None:
                 values = reduce(values.to(compute_dtype))
-            out[at : at + len(values)] = values
-    if rows.inverse is not None:
-        out = out[torch.from_numpy(rows.inverse)]
-    return out if as_torch else out.numpy()
+            tensor[at : at + len(values)] = values
+    if rows.inverse is None:
+        return out
+    if isinstance(out, np.ndarray):
+        return out[rows.inverse]
+    import torch
+
+    return out[torch.from_numpy(rows.inverse)]
 
 
 def _reduced_shape(
@@ -227,23 +269,44 @@ def _reduced_shape(
     (``pool``'s) leaves it; a ``PoolMismatchError`` naming ``call`` where it does not fit."""
     if reduce is None:
         return shape
+    import torch  # ``reduce`` is a pool, which computes in torch
+
     try:
         return tuple(reduce(torch.zeros((1, *shape)))[0].shape)
     except PoolShapeError as e:
         raise _pool_mismatch(layer, pool, shape, e, pooled, call) from None
 
 
+def _pool(pool: str | None, layout: str | None) -> Any:
+    """``pool``'s reduction of a sample in ``layout`` (None: no pool). The pools compute in torch, so
+    their module, which imports it, is imported only by a read that pools."""
+    if pool in (None, "none"):
+        return None
+    from ..names.pooling import make_pool
+
+    return make_pool(pool, layout)
+
+
 class _TextAlias(Generic[T]):
     """A text accessor's old name on ``Features``: the accessor of the same name of ``features.text``
-    (``TextView``), so that both spellings are one implementation, with its documentation."""
+    (``TextView``), so that both spellings are one implementation, with its documentation. Reading it
+    warns (``DeprecationWarning``): the text accessors have one spelling, ``features.text.<name>``, and
+    the old one keeps working for the readers written before the view."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
-        self.__doc__ = f"``features.text.{name}`` (``TextView.{name}``): {getattr(TextView, name).__doc__}"
+        self.__doc__ = (
+            f"Deprecated: ``features.text.{name}`` (``TextView.{name}``), which says: {getattr(TextView, name).__doc__}"
+        )
 
     def __get__(self, features: Features | None, owner: type | None = None) -> T:
         if features is None:
             return self  # type: ignore[return-value] - the class's attribute: the alias itself
+        warnings.warn(
+            f"Features.{self.name} is deprecated: use features.text.{self.name}",
+            DeprecationWarning,
+            stacklevel=2,  # the reader's line, not this one
+        )
         return getattr(features.text, self.name)
 
 
@@ -257,7 +320,8 @@ class Features:
     them whose image could be read. ``kind`` is ``images``, ``documents`` (text, one pooled row per
     document) or ``tokens`` (one row per token); ``num_samples`` rows in ``num_chunks`` chunks of
     ``chunk_size``. A text store's token-level accessors (offsets, token ids, documents, packing) are
-    ``text``, a ``TextView``; their old names here are the view's.
+    ``text``, a ``TextView``; their old names here (``features.offsets``...) still read the view's but
+    warn (``DeprecationWarning``).
     """
 
     path: Path | str  # a URL for a store on object storage
@@ -344,7 +408,7 @@ class Features:
         """``features.text.pack``; None for an image store (never packed)."""
         return None if self.kind is Kind.IMAGES else self.text.pack
 
-    # The text accessors' old names, kept: each is the view's (see TextView for what it returns).
+    # The text accessors' old names, kept working and warning: each is the view's (see TextView).
     offsets = _TextAlias[np.ndarray]()
     token_ids = _TextAlias[np.ndarray]()
     load_token_ids = _TextAlias[Callable[[slice], np.ndarray]]()
@@ -357,7 +421,7 @@ class Features:
     token_documents = _TextAlias[np.ndarray]()
     documents_of = _TextAlias[Callable[[slice | np.ndarray], np.ndarray]]()
     token_positions = _TextAlias[np.ndarray]()
-    document = _TextAlias[Callable[..., np.ndarray | torch.Tensor]]()
+    document = _TextAlias["Callable[..., np.ndarray | torch.Tensor]"]()
 
     @property
     def classes(self) -> list[str] | None:
@@ -414,7 +478,7 @@ class Features:
         """
         array = self.array(layer)
         rows = _normalize(index, self.num_samples)
-        reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
+        reduce = _pool(pool, self.layout(layer))
         if dtype == storage.BFLOAT16 and not as_torch:
             raise ExtractError(f"load({layer!r}, dtype='bfloat16'): numpy has no bfloat16; pass as_torch=True")
         pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
@@ -422,12 +486,17 @@ class Features:
         out = _empty((rows.count, *shape), dtype or storage.read_dtype(array, as_torch))
         blocks = list(_blocks(rows, array, self.chunk_size))
         name = f"features/{layer}"
-        return self._reads.checked(
+        values = self._reads.checked(
             name,
             f"layer '{layer}'",
             _touched(rows, self.chunk_size),
-            lambda: _load_into(self._reads.placed(name, array), rows, reduce, out, blocks, as_torch),
+            lambda: _load_into(self._reads.placed(name, array), rows, reduce, out, blocks),
         )
+        if as_torch and isinstance(values, np.ndarray):
+            import torch
+
+            return torch.from_numpy(values)
+        return values
 
     def _placed(self, name: str) -> zarr.Array:
         """Array ``name`` of the store, each of its chunk objects checked for its place (``placed.py``)."""
@@ -504,7 +573,7 @@ class Features:
         reading any data; a ``pool`` that does not fit the stored layer (one pooled at extraction, say)
         is a ``PoolMismatchError`` now, naming ``call`` (default: that ``load``)."""
         self.array(layer)  # an unknown layer: LayerNotFoundError with the valid names
-        reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
+        reduce = _pool(pool, self.layout(layer))
         pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
         return _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled, call)
 
@@ -513,7 +582,7 @@ class Features:
         a store still being written gains labels as its chunks are written). In a token store ``index``
         picks documents."""
         if self.kind is Kind.TOKENS:
-            picked = _normalize(index, self.num_documents)
+            picked = _normalize(index, self.text.num_documents)
             labels = self.labels
             if picked.sorted_rows is None:
                 return labels[picked.start : picked.stop]
@@ -532,11 +601,11 @@ class Features:
             pack = self.pack
             if pack is not None:  # its samples are contexts of T tokens; the documents are those packed into them
                 rows = (
-                    f"{self.num_samples} tokens in {self.num_contexts} contexts of {pack['context_length']}, "
-                    f"from {self.num_source_documents} documents"
+                    f"{self.num_samples} tokens in {self.text.num_contexts} contexts of {pack['context_length']}, "
+                    f"from {self.text.num_source_documents} documents"
                 )
             else:
-                rows = f"{self.num_samples} tokens of {self.num_documents} documents"
+                rows = f"{self.num_samples} tokens of {self.text.num_documents} documents"
             return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"
         rows = f"N={self.num_samples}" if self.kind is Kind.IMAGES else f"{self.num_samples} documents"
         return f"Features({str(self.path)!r}, {rows}, {state}; {layers})"

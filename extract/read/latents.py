@@ -24,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import LayerNotFoundError, SampleIndexError
 from ..names.layers import closest
@@ -171,6 +170,8 @@ def csr(indices: np.ndarray, values: np.ndarray, d_sae: int, as_torch: bool = Fa
     np.cumsum(active.sum(1), out=crow[1:])
     columns, data = indices[active].astype(np.int64), values[active]
     if as_torch:
+        import torch  # here only: scipy's matrix, the default, needs no torch
+
         with warnings.catch_warnings():  # "sparse CSR support is in beta": the layout is what a caller asked for
             warnings.simplefilter("ignore", UserWarning)
             return torch.sparse_csr_tensor(

@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 
 from ..errors import ExtractError, UnalignedStoresError
 from ..names import Kind
@@ -27,13 +26,16 @@ from ..store.arrays import PACKED_ARRAYS, TOKEN_ARRAYS
 from ..store.chunks import Plan
 from .features import Features
 
+if TYPE_CHECKING:  # rows are numpy or torch, whichever the caller reads: export reads numpy, without torch
+    import torch
+
 # the layouts whose positions are rows: a token axis (L) or a map's height and width (H, W) beside C
 PATCH_LAYOUTS = ("NLC", "NCL", "NHWC", "NCHW")
 ALIGNED = (
     "TokenStream reads stores side by side only when they were extracted from the same corpus with the same "
     "tokenizer, --pack and --chunk-size"
 )
-Values = TypeVar("Values", np.ndarray, torch.Tensor)
+Values = TypeVar("Values", np.ndarray, "torch.Tensor")
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,9 @@ class Rows:
         """(n, *shape) stored values as (n x positions, D) rows: a view when ``contiguous``, else a copy."""
         if self.channels is None:
             return values
-        if isinstance(values, torch.Tensor):
-            return values.movedim(self.channels, -1).reshape(-1, self.width)
-        return np.moveaxis(values, self.channels, -1).reshape(-1, self.width)
+        if isinstance(values, np.ndarray):
+            return np.moveaxis(values, self.channels, -1).reshape(-1, self.width)
+        return values.movedim(self.channels, -1).reshape(-1, self.width)  # a tensor
 
 
 def layer_rows(features: Features, layer: str) -> Rows:

@@ -7,12 +7,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import ExtractError, SampleIndexError
 from ..names import Kind
 
-if TYPE_CHECKING:  # the view is made by Features, which imports this module
+if TYPE_CHECKING:  # the view is made by Features, which imports this module; torch only names a type
+    import torch
+
     from .checked import CheckedReads
     from .features import Features
 

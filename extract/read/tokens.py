@@ -134,7 +134,7 @@ class _Window:
 class TokenStream(IterableDataset):
     """Shuffled batches of a token store's rows: ``(batch, D)`` tensors of ``dtype`` for one layer
     (``layers`` a str), a ``{layer: tensor}`` dict for several (a list); with ``return_index=True``
-    ``(values, rows)``, ``rows`` the (batch,) int64 global token rows (``Features.documents_of`` and
+    ``(values, rows)``, ``rows`` the (batch,) int64 global token rows (``Features.text.documents_of`` and
     ``token_positions`` say where they come from). Use it as ``DataLoader(stream, batch_size=None,
     num_workers=k)``: it batches itself.
 
@@ -186,7 +186,7 @@ class TokenStream(IterableDataset):
 
     ``exclude`` rules (a str or a sequence of them) drop rows:
 
-    - ``"special"``: the tokenizer's special tokens (``Features.special``: BOS, EOS, CLS, SEP, and the
+    - ``"special"``: the tokenizer's special tokens (``Features.text.special``: BOS, EOS, CLS, SEP, and the
       BOS and separators packing inserted); token stores only;
     - ``"first:K"``: positions 0..K-1 of every document (every context of a packed store), the
       attention sinks; of an image, its first K tokens (``first:1`` the CLS token, ``first:5`` CLS and
@@ -355,7 +355,7 @@ class TokenStream(IterableDataset):
             flags = features._reads.checked("special", "special tokens", [chunk], lambda: special[start:stop])
             keep &= ~np.asarray(flags, dtype=bool)
         if self.rules.first:
-            offsets = features.offsets
+            offsets = features.text.offsets
             rows = np.arange(start, stop)
             keep &= rows - offsets[np.searchsorted(offsets, rows, side="right") - 1] >= self.rules.first
         return keep
@@ -498,7 +498,7 @@ class TokenStream(IterableDataset):
         if self.rules.special:
             opened[0].store.array("special")
         if self.rules.first and not self.images:
-            opened[0].offsets  # noqa: B018
+            opened[0].text.offsets  # noqa: B018
 
     def _batches(
         self, windows: Iterator[np.ndarray], read: Any, buffers: list[list[torch.Tensor]], rng: np.random.Generator
