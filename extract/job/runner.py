@@ -39,7 +39,7 @@ from ..data.text import TextSource
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, check_tensor_parallel, library_versions
 from ..models.hf_text import input_device
-from ..names import Kind
+from ..names import Action, Kind
 from ..names.layers import LayerRef
 from ..store.chunks import Plan
 from ..store.indexes import saved_index
@@ -416,11 +416,11 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, mesh, life.existing)
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite, _predated(job, life.existing))
-            if action == "complete":
+            if action is Action.COMPLETE:
                 return _already_complete(job, log)
             _announce(job, log)
             store = life.open(action, lambda writer: _create(job, life.location, writer))
-            pending, shares = _share(job, life, store, resume=action == "resume", log=log)
+            pending, shares = _share(job, life, store, resume=action is Action.RESUME, log=log)
             summary = _extract(job, store, pending, shares[mesh.data_rank], edit, stop, life.check_lock)
             life.finish(summary.record())
     if state.is_main_process:

@@ -20,11 +20,13 @@ from zarr.buffer.cpu import NDBuffer
 
 from ..errors import (
     ExtractError,
+    InvalidRequestError,
     LayerNotFoundError,
     PoolMismatchError,
     PoolShapeError,
     SampleIndexError,
     StoreBusyError,
+    StoreDamagedError,
 )
 from ..names import Kind
 from ..names.layers import closest
@@ -132,7 +134,7 @@ def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> torch.Tensor:
     try:
         return torch.from_numpy(np.empty(shape, dtype=np.dtype(dtype)))
     except TypeError:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64, or bfloat16 "
             "with as_torch=True)"
         ) from None
@@ -333,7 +335,7 @@ class Features:
     def text(self) -> TextView:
         """A text store's token-level accessors (offsets, token ids, documents, packing): ``TextView``."""
         if self.kind is Kind.IMAGES:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.path} is an image store; offsets, token ids and documents belong to text stores "
                 "(kind tokens or documents): open one of those for features.text"
             )
@@ -416,7 +418,7 @@ class Features:
         rows = _normalize(index, self.num_samples)
         reduce = make_pool(pool, self.layout(layer)) if pool not in (None, "none") else None
         if dtype == storage.BFLOAT16 and not as_torch:
-            raise ExtractError(f"load({layer!r}, dtype='bfloat16'): numpy has no bfloat16; pass as_torch=True")
+            raise InvalidRequestError(f"load({layer!r}, dtype='bfloat16'): numpy has no bfloat16; pass as_torch=True")
         pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
         shape = _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled)
         out = _empty((rows.count, *shape), dtype or storage.read_dtype(array, as_torch))
@@ -559,7 +561,7 @@ def follow_done(opened: Sequence[Features], chunks: Iterable[int], poll: float) 
             waiting -= done
             yield new, not waiting
         elif complete:
-            raise ExtractError(
+            raise StoreDamagedError(
                 f"{opened[0].path} says complete, but chunks {sorted(waiting)[:5]} are not done: run "
                 f"`python -m extract.verify {opened[0].path} --repair`, then the job's command again"
             )
@@ -586,7 +588,7 @@ def open_features(path: str | os.PathLike[str] | Location, *, allow_partial: boo
                 f"{location} is being written by a job ({job}; {done} of {features.num_chunks} chunks written): "
                 "wait for the job to finish, or open it now with allow_partial=True and read features.present"
             )
-        raise ExtractError(
+        raise StoreDamagedError(
             f"{location} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
             "chunks written): rerun the same extract command to finish it, or open it with "
             "allow_partial=True and read features.present"

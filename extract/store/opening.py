@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import zarr
 
-from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreNotFoundError
+from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreMismatchError, StoreNotFoundError
 from ..names import Kind
 from . import latents, objects, remote
 from .arrays import DIGESTS, METADATA, PACKED_ARRAYS, TEXT_ARRAYS, TOKEN_ARRAYS, row_arrays
@@ -65,7 +65,7 @@ def _create_remote(location: Location, skeleton: Skeleton, attrs: dict[str, Any]
     if found.occupied and not found.ours:
         raise ExtractError(f"--out {url} is a prefix of objects that are not an extract store; choose a new prefix")
     if found.root is not None and not overwrite:
-        raise ExtractError(f"--out {url} already holds a store; pass --overwrite to replace it")
+        raise StoreMismatchError(f"--out {url} already holds a store; pass --overwrite to replace it")
     if found.occupied:
         remote.delete_store(store)
     building = remote.RootLast(store)
