@@ -19,7 +19,6 @@ import zarr
 from zarr.buffer.cpu import NDBuffer
 
 from ..errors import (
-    ExtractError,
     InvalidRequestError,
     LayerNotFoundError,
     PoolMismatchError,
@@ -326,7 +325,7 @@ class Features:
         token store (N_docs,), the documents' (``file.jsonl/LINE``, ``file.parquet/ROW``, ``split/ROW``); in a
         packed one, the source documents' (``num_source_documents``; its rows' are ``doc``)."""
         if not self.store.has("keys"):
-            raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
+            raise InvalidRequestError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind is Kind.TOKENS:
             return self._reads.whole("keys")
         return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self._placed("keys")[:])
@@ -476,13 +475,13 @@ class Features:
         array = self.array(layer)
         known = self.store.stats_layers()
         if known is None:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.path} was written before stores kept statistics; compute them from load({layer!r}), "
                 "or extract into a new --out to have them"
             )
         if layer not in known:
             shape = ", ".join(map(str, array.shape[1:]))
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.path}: layer '{layer}' is stored as ({shape}) per row and statistics are kept for 1-D rows "
                 "and for layers with a known layout only (or the store predates per-position statistics); "
                 "extract it with --pool or --layout to have them, or compute them from load()"

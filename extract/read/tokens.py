@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import ExcludeRuleError, ExtractError, InvalidRequestError
+from ..errors import ExcludeRuleError, InvalidRequestError
 from ..names import Kind
 from ..store import dtypes as storage
 from ..store.chunks import Plan
@@ -408,7 +408,7 @@ class TokenStream(IterableDataset):
             if not source.codes
         }
         if any(not np.isfinite(m) for m in medians.values()):
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{opened[0].path}: no rows to take the median norm of for high_norm (every row is excluded)"
             )
         return medians
