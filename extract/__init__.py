@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "Capture": "capture.hooks",
-    "StopForward": "capture.hooks",
+    "StopForward": "errors",
     "LayerRef": "names.layers",
     "resolve_layers": "capture.layers",
     "ChunkShuffleSampler": "read.dataset",
@@ -31,7 +31,8 @@ _PUBLIC = {
 from .errors import ExtractError  # noqa: E402 - light, and what every caller catches
 
 if TYPE_CHECKING:
-    from .capture.hooks import Capture, StopForward
+    from .capture.hooks import Capture
+    from .errors import StopForward
     from .capture.layers import resolve_layers
     from .job.runner import run
     from .job.spec import JobSpec

@@ -1,6 +1,24 @@
 """The errors ``extract`` raises: one base the command lines turn into one line and exit status 2 (its
 ``exit_code``), and typed subclasses that also derive from the builtin a Python user expects (zarr's
-``errors.py`` does the same), so that callers catch types, not message strings."""
+``errors.py`` does the same), so that callers catch types, not message strings.
+
+What a library caller must tell apart has a type of its own:
+
+- the request is bad (an option, a layer, a pool, an index; fix the arguments): ``InvalidRequestError``,
+  a ``ValueError``, and its subclasses (``LayerNotFoundError`` is also a ``KeyError``, ``SampleIndexError``
+  an ``IndexError``);
+- another job holds the store: ``StoreBusyError``, a ``BlockingIOError`` (what ``fcntl.flock`` raises for a
+  lock another process holds);
+- the store holds a different job: ``StoreMismatchError``, a ``FileExistsError`` (as ``open(path, "x")``
+  raises: something is at the path, and only ``--overwrite`` replaces it);
+- the store is damaged, edited or unfinished: ``StoreDamagedError``, a ``ValueError`` (as zarr raises for
+  metadata or a checksum that do not validate).
+
+Besides the errors, the two exceptions that end a run, ``Interrupted`` and ``PeerStopped`` (each a
+``BaseException``, like ``KeyboardInterrupt``), and the signal ``StopForward`` live here. Two stay beside the
+code that raises and catches them, since no caller ever meets them: ``ChecksumMismatch`` (``read/direct.py``)
+and ``Misplaced`` (``read/placed.py``). Each is a ``ValueError`` as zarr's checksum codec raises, so that the
+checked reads take them with zarr's own and turn them into a ``StoreDamagedError`` naming the chunk."""
 
 import signal
 
@@ -20,7 +38,12 @@ class ProcessGroupError(ExtractError):
     exit_code = 1
 
 
-class LayerNotFoundError(ExtractError, KeyError):
+class InvalidRequestError(ExtractError, ValueError):
+    """The request is bad: an option, a layer, a pool or an index that the model, the data or the store
+    cannot serve; the message names it and the values there are. Fix the arguments and ask again."""
+
+
+class LayerNotFoundError(InvalidRequestError, KeyError):
     """A layer name or glob that matches no module of the model, or no layer of a store."""
 
     def __str__(self) -> str:  # KeyError's own str() would quote the message
@@ -31,12 +54,13 @@ class StoreNotFoundError(ExtractError, FileNotFoundError):
     """No store at the path given."""
 
 
-class SampleIndexError(ExtractError, IndexError):
+class SampleIndexError(InvalidRequestError, IndexError):
     """An index into a store's samples that is out of range or of the wrong shape."""
 
 
-class StoreBusyError(ExtractError):
-    """Another job holds the store's lock: wait for it, or stop it."""
+class StoreBusyError(ExtractError, BlockingIOError):
+    """Another job holds the store's lock: wait for it, or stop it. A ``BlockingIOError``, as
+    ``fcntl.flock`` raises for a lock another process holds."""
 
 
 class StoreBeingCreatedError(StoreNotFoundError, StoreBusyError):
@@ -60,12 +84,19 @@ class ObjectStorageError(ExtractError):
     exit_code = 1
 
 
-class StoreDamagedError(ExtractError):
+class StoreMismatchError(ExtractError, FileExistsError):
+    """The store at ``--out`` holds a different job (another model, data or layers, or the same job
+    batched otherwise, which would round differently): pass ``--overwrite`` to replace it, or choose
+    another ``--out``. A ``FileExistsError``, as ``open(path, "x")`` raises for a path already taken."""
+
+
+class StoreDamagedError(ExtractError, ValueError):
     """A store whose metadata or objects are damaged, edited or unfinished; the message says how to
-    repair it (``python -m extract.verify --repair``, a rerun, or ``--overwrite``)."""
+    repair it (``python -m extract.verify --repair``, a rerun, or ``--overwrite``). A ``ValueError``, as
+    zarr raises for metadata or a checksum that do not validate."""
 
 
-class LocationError(ExtractError, ValueError):
+class LocationError(InvalidRequestError):
     """A store argument that is neither a local path nor a store URL this version can open."""
 
 
@@ -95,7 +126,7 @@ class CastOverflowError(ExtractError, OverflowError):
     Exit status 2: the command line's ``--dtype`` does not fit the model."""
 
 
-class PoolShapeError(ExtractError, ValueError):
+class PoolShapeError(InvalidRequestError):
     """A ``--pool`` (or a reader's ``pool=``) that does not fit an output's shape or layout; ``for_layer``
     says it for the layer of the command line."""
 
@@ -107,43 +138,43 @@ class PoolShapeError(ExtractError, ValueError):
             f"--pool {pool} needs a {wanted} output but got shape {shape_text(shape)}; use --pool {instead}"
         )
 
-    def for_layer(self, layer: str) -> ExtractError:
+    def for_layer(self, layer: str) -> InvalidRequestError:
         from .names.layers import shape_text
 
         if self.wanted == "known layout":
-            return ExtractError(
+            return InvalidRequestError(
                 f"--pool {self.pool} cannot tell which axes of layer '{layer}' {shape_text(self.shape, self.shape[0])} "
                 f"are spatial; say it with --layout {layer}=NCHW or --layout {layer}=NHWC"
             )
-        return ExtractError(
+        return InvalidRequestError(
             f"--pool {self.pool} does not fit layer '{layer}': it needs a {self.wanted} output, "
             f"the layer gives {shape_text(self.shape, self.shape[0])}; use --pool {self.instead} for this layer"
         )
 
 
-class PoolMismatchError(ExtractError, ValueError):
+class PoolMismatchError(InvalidRequestError):
     """A ``pool=`` that does not fit the stored layer's shape."""
 
 
-class TextShapeError(ExtractError, ValueError):
+class TextShapeError(InvalidRequestError):
     """A layer whose output is not one row per token of the batch (a pooler, a classifier head)."""
 
     def __init__(self, shape: tuple[int, ...], batch: tuple[int, int]) -> None:
         self.shape, self.batch = shape, batch
         super().__init__(f"gives shape {shape} for a batch of {batch[0]} sequences of {batch[1]} tokens")
 
-    def for_layer(self, layer: str) -> ExtractError:
-        return ExtractError(
+    def for_layer(self, layer: str) -> InvalidRequestError:
+        return InvalidRequestError(
             f"layer '{layer}' {self.args[0]}: not one row per token (B, T, ...); pick a layer inside the "
             "model's blocks (see --list-layers)"
         )
 
 
-class ExcludeRuleError(ExtractError, ValueError):
+class ExcludeRuleError(InvalidRequestError):
     """An ``exclude`` rule of ``TokenStream`` that is not one of the forms it knows."""
 
 
-class UnalignedStoresError(ExtractError, ValueError):
+class UnalignedStoresError(InvalidRequestError):
     """Stores given to ``TokenStream`` together whose rows are not the same tokens (another tokenizer,
     corpus, packing or chunking)."""
 
@@ -170,7 +201,7 @@ class SaeNotFoundError(ExtractError, FileNotFoundError):
     ``sae_weights.safetensors``): the message names the file that is missing."""
 
 
-class SaeMismatchError(ExtractError, ValueError):
+class SaeMismatchError(InvalidRequestError):
     """An SAE that does not fit the layer it was given for (its ``d_in`` against the layer's width, its
     hook name against the layer), or a saved SAE this version cannot encode with exactly (an unknown
     architecture, a normalization whose statistics are not in the directory, a single attention head)."""
@@ -182,16 +213,22 @@ class SaeInvalidError(ExtractError, ValueError):
     or not safetensors, or weights whose shapes are not the config's."""
 
 
-class ExportError(ExtractError, ValueError):
+class ExportError(InvalidRequestError):
     """A store that cannot be exported as asked, or a destination that must not be written."""
 
 
 def rebuilt(kind: type[ExtractError], message: str) -> ExtractError:
-    """An error of ``kind`` with ``message``: a rank told of rank 0's error raises the same type."""
-    try:
-        return kind(message)
-    except TypeError:  # a subclass whose constructor takes other arguments
-        return ExtractError(message)
+    """An error of ``kind`` with ``message``: a rank told of rank 0's error raises the same type, or, for
+    a type whose constructor takes other arguments, the nearest of its bases that takes a message (a
+    ``PoolShapeError`` is still an ``InvalidRequestError`` there)."""
+    for base in kind.__mro__:
+        if not issubclass(base, ExtractError):
+            continue
+        try:
+            return base(message)
+        except TypeError:  # a subclass whose constructor takes other arguments
+            continue
+    return ExtractError(message)
 
 
 class Interrupted(BaseException):
@@ -217,3 +254,21 @@ class Interrupted(BaseException):
 
     def __str__(self) -> str:
         return f"interrupted by {signal.Signals(self.signum).name}: {self.progress()}; rerun the same command to resume"
+
+
+class PeerStopped(Interrupted):
+    """Another process of the job stopped (a signal, a crash) while this one waited for it at a barrier."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(signal.SIGTERM, 0)
+        self.exit_code = 1
+        self.cause = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+
+    def __str__(self) -> str:
+        return f"another process of the job stopped ({self.cause}); {self.progress()}; rerun the same command to resume"
+
+
+class StopForward(Exception):
+    """Raised once every requested layer has fired; ``Capture`` swallows it. Not an ``ExtractError``: it
+    is no failure but the signal that ends a forward early, and a caller's ``except ExtractError`` must
+    not take it."""

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ExtractError
+from ..errors import ExtractError, InvalidRequestError
 from ..read.features import Features
 from ..store import objects
 from ..store.location import LocationError, from_object_storage, is_url, one_line, open_store, parse
@@ -85,7 +85,7 @@ def shared_rows(a: Features, b: Features, match: str = "keys") -> tuple[np.ndarr
     """Rows of ``a`` and of ``b`` holding the same samples (valid in both), in ``a``'s order, and how
     they matched: by key, or by row index (``match="rows"``, or when a store has no keys)."""
     if match not in MATCHES:
-        raise ExtractError(f"unknown --match '{match}'; choose one of {', '.join(MATCHES)}")
+        raise InvalidRequestError(f"unknown --match '{match}'; choose one of {', '.join(MATCHES)}")
     keys_a, _ = keys_and_classes(a)
     keys_b, _ = keys_and_classes(b)
     if match == "keys" and keys_a is not None and keys_b is not None:
@@ -98,7 +98,7 @@ def shared_rows(a: Features, b: Features, match: str = "keys") -> tuple[np.ndarr
         why = "--match rows" if match == "rows" else "a store has no keys"
         how = f"matched by row index ({a.num_samples} samples; {why}, so sample i is assumed the same in both)"
     elif match == "rows":
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--match rows needs stores of the same size: {a.path} has {a.num_samples} samples, {b.path} {b.num_samples}"
         )
     else:
@@ -218,7 +218,7 @@ def minibatch_cka(
     A constant layer's row or column is NaN: its HSIC with itself is 0, and the ratio means nothing."""
     device = torch.device(device)
     if batch_size < 4:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--batch-size must be at least 4 (the unbiased estimator needs 4 samples), got {batch_size}"
         )
     same = b is None

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ExtractError
+from ..errors import ExtractError, InvalidRequestError
 from ..read.features import Features
 from .knn import knn_predict
 from .linear import accuracy as streamed_accuracy
@@ -52,7 +52,7 @@ __all__ = [
 def split(labelled: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted train and test sample indices from a seeded permutation of ``labelled``."""
     if not 0 < test_fraction < 1:
-        raise ExtractError(f"--test-fraction must be between 0 and 1, got {test_fraction}")
+        raise InvalidRequestError(f"--test-fraction must be between 0 and 1, got {test_fraction}")
     order = np.random.default_rng(seed).permutation(labelled)
     num_test = max(1, round(test_fraction * len(order)))
     if num_test >= len(order):
@@ -87,7 +87,7 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        raise ExtractError(f"--device '{device}' is not a torch device; use cpu, cuda or cuda:N") from None
+        raise InvalidRequestError(f"--device '{device}' is not a torch device; use cpu, cuda or cuda:N") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ExtractError(f"--device {device}: no CUDA device here; use --device cpu (or leave it out)")
     return resolved
@@ -105,7 +105,7 @@ def _parts(
 ) -> tuple[Features, np.ndarray, Features, np.ndarray, str]:
     """(train features, train rows, test features, test rows, how they were split)."""
     if (store is None) == (train is None and test is None) or (train is None) != (test is None):
-        raise ExtractError("give one STORE (split by --test-fraction) or both --train STORE and --test STORE")
+        raise InvalidRequestError("give one STORE (split by --test-fraction) or both --train STORE and --test STORE")
     if store is not None:
         features = _open(store)
         train_rows, test_rows = split(labelled_rows(features), test_fraction, seed)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ExtractError
+from ..errors import ExtractError, InvalidRequestError
 from ..names import Kind
 from ..read.features import Features
 from ..read.latents import LatentCodes, codes_of
@@ -82,7 +82,7 @@ class StoreWindows:
 
     def __init__(self, features: Features) -> None:
         if features.kind is not Kind.TOKENS:
-            raise ExtractError(f"{features.path} is a {features.kind} store; top contexts need a token store")
+            raise InvalidRequestError(f"{features.path} is a {features.kind} store; top contexts need a token store")
         self.features, self.text = features, features.text
         self.offsets = self.text.offsets
         self.keys = features.keys if features.store.has("keys") else None
@@ -152,7 +152,7 @@ def _chosen(codes: LatentCodes, latents: Sequence[int] | None) -> np.ndarray | N
     chosen = np.asarray(list(latents), dtype=np.int64)
     if len(chosen) and (chosen.min() < 0 or chosen.max() >= codes.d_sae):
         bad = int(chosen[(chosen < 0) | (chosen >= codes.d_sae)][0])
-        raise ExtractError(
+        raise InvalidRequestError(
             f"latent {bad} is out of range: layer '{codes.layer}' has {codes.d_sae} latents (0-{codes.d_sae - 1})"
         )
     return chosen
@@ -184,7 +184,7 @@ def top_latents(
     """Every latent's (or ``latents``') ``k`` top tokens with ``context`` tokens each side, written to
     ``out`` (see the module's docstring)."""
     if k < 1 or context < 0:
-        raise ExtractError(f"k must be positive and context 0 or more; got k={k}, context={context}")
+        raise InvalidRequestError(f"k must be positive and context 0 or more; got k={k}, context={context}")
     out = Path(out)
     _check_out(out)  # said before the codes are ranked, not as mkdir's traceback after them
     codes = codes_of(features, layer)

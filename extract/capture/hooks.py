@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..errors import ExtractError, PoolShapeError, TextShapeError
+from ..errors import ExtractError, PoolShapeError, StopForward, TextShapeError
 from ..names.layers import LayerRef, closest
 from ..names.pooling import Pool
 from .layers import module_input, resolve_layers, select, select_input
@@ -27,10 +27,6 @@ Gather = Callable[[str, torch.Tensor], torch.Tensor]  # a layer's captured slice
 Edit = Callable[[torch.Tensor], Any]
 Retain = Literal["output", "shape", "reference"]
 RETAIN_CHOICES = ("output", "shape", "reference")
-
-
-class StopForward(Exception):
-    """Raised once every requested layer has fired; ``Capture`` swallows it."""
 
 
 class Capture:

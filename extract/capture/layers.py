@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ExtractError, LayerNotFoundError
+from ..errors import ExtractError, InvalidRequestError, LayerNotFoundError
 from ..names.layers import INPUT_SUFFIX, ROUTER_SUFFIX, LayerRef, closest, matches_glob, shape_text
 from .lens import LENS_HINT
 from .moe import moe_blocks, router_name
@@ -28,7 +28,7 @@ def _split_site(pattern: str) -> tuple[str, str]:
     if not at:
         return pattern, ""
     if f"@{site}" not in (INPUT_SUFFIX, ROUTER_SUFFIX) or ":" in module:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"layer '{pattern}': '@' spells a module's input, NAME{INPUT_SUFFIX}, or a mixture-of-experts block's "
             f"routing, BLOCK{ROUTER_SUFFIX} (one tensor: no ':' selector)"
         )
@@ -40,7 +40,7 @@ def _split_selector(pattern: str) -> tuple[str, int | str | None]:
     if not sep:
         return module, None
     if not selector:
-        raise ExtractError(f"layer '{pattern}' has an empty selector; write NAME:0 or NAME:key")
+        raise InvalidRequestError(f"layer '{pattern}' has an empty selector; write NAME:0 or NAME:key")
     return module, int(selector) if selector.lstrip("-").isdigit() else selector
 
 
@@ -52,7 +52,9 @@ def _normalize_alias(pattern: str, aliases: Mapping[str, LayerRef]) -> str:
     count = sum(1 for name in aliases if name.rpartition(".")[0] == prefix)
     index = count + int(number)
     if index < 0:
-        raise ExtractError(f"layer '{pattern}': there are only {count} {prefix} (0 to {count - 1}, or -1 to -{count})")
+        raise InvalidRequestError(
+            f"layer '{pattern}': there are only {count} {prefix} (0 to {count - 1}, or -1 to -{count})"
+        )
     return f"{prefix}.{index}"
 
 
@@ -70,7 +72,7 @@ def resolve_layers(
     ``alias_failure`` is the model's error where the forward that finds the aliases failed: a name of
     theirs is refused with it, the real cause, not as a module the model lacks."""
     if not patterns:
-        raise ExtractError("no layers given; pass --layers NAME [NAME ...] (see --list-layers)")
+        raise InvalidRequestError("no layers given; pass --layers NAME [NAME ...] (see --list-layers)")
     aliases, absent = aliases or {}, absent or {}
     names = [name for name, _ in model.named_modules() if name]
     refs: list[LayerRef] = []
@@ -140,19 +142,19 @@ def select(output: Any, ref: LayerRef) -> torch.Tensor:
             return output
         kind = type(output).__name__
         hint = next(iter(output), "key") if isinstance(output, dict) else 0
-        raise ExtractError(
+        raise InvalidRequestError(
             f"layer '{ref.module}' returns a {kind}, not a tensor; pick one element, e.g. '{ref.module}:{hint}'"
         )
     if isinstance(output, torch.Tensor):
-        raise ExtractError(f"layer '{ref.module}' returns a tensor, not a tuple or dict; drop ':{ref.selector}'")
+        raise InvalidRequestError(f"layer '{ref.module}' returns a tensor, not a tuple or dict; drop ':{ref.selector}'")
     try:
         value = output[ref.selector]
     except (IndexError, KeyError, TypeError):
-        raise ExtractError(
+        raise InvalidRequestError(
             f"layer '{ref.name}': its output {describe(output)} has no element {ref.selector!r}"
         ) from None
     if not isinstance(value, torch.Tensor):
-        raise ExtractError(f"layer '{ref.name}' selects a {type(value).__name__}, not a tensor")
+        raise InvalidRequestError(f"layer '{ref.name}' selects a {type(value).__name__}, not a tensor")
     return value
 
 
@@ -170,7 +172,7 @@ def select_input(value: Any, ref: LayerRef, kwargs: Mapping[str, Any]) -> torch.
         return value
     took = f"keywords {', '.join(kwargs)}" if kwargs else "no keywords"
     given = f"its first argument is {describe(value)}" if value is not None else f"no argument and no {INPUT_KEYWORD}="
-    raise ExtractError(
+    raise InvalidRequestError(
         f"layer '{ref.name}': {ref.module} is called with {given} ({took}), so its input is not a tensor; "
         "capture another module's input or output (see --list-layers)"
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ExtractError
+from ..errors import ExtractError, InvalidRequestError
 
 if TYPE_CHECKING:
     from .source import DataRequest, Source, TextSource
@@ -113,7 +113,7 @@ def open_source(request: DataRequest, at: str | None = None) -> Source | TextSou
     prefix, _, location = (at or request.spec).partition(":")
     source = _BY_PREFIX.get(prefix)
     if source is None:
-        raise ExtractError(f"unknown --data '{request.spec}'; use one of {', '.join(DATA_KINDS)}")
+        raise InvalidRequestError(f"unknown --data '{request.spec}'; use one of {', '.join(DATA_KINDS)}")
     _require(source, request.spec)
     return source.open(location, request)
 

@@ -18,22 +18,10 @@ import threading
 import time
 from types import FrameType
 
-from ..errors import Interrupted
+from ..errors import Interrupted, PeerStopped  # noqa: F401 - PeerStopped: its old import path
 from .launcher import tell_launcher
 
 HANDLED = (signal.SIGTERM, signal.SIGINT)
-
-
-class PeerStopped(Interrupted):
-    """Another process of the job stopped (a signal, a crash) while this one waited for it at a barrier."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(signal.SIGTERM, 0)
-        self.exit_code = 1
-        self.cause = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-
-    def __str__(self) -> str:
-        return f"another process of the job stopped ({self.cause}); {self.progress()}; rerun the same command to resume"
 
 
 class StopRequests:

@@ -36,10 +36,10 @@ from ..data import (
 )
 from ..data.gpu_decode import GpuDecoder
 from ..data.text import TextSource
-from ..errors import ExtractError
+from ..errors import ExtractError, InvalidRequestError
 from ..models import LoadedModel, build_model, check_tensor_parallel, library_versions
 from ..models.hf_text import input_device
-from ..names import Kind
+from ..names import Action, Kind
 from ..names.layers import LayerRef
 from ..store.chunks import Plan
 from ..store.indexes import saved_index
@@ -246,7 +246,7 @@ def _check_device_map(spec: JobSpec, state: PartialState) -> None:
     place a second copy on the same GPUs."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if spec.device_map is not None and local > 1:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--device-map {spec.device_map} spreads the model over every GPU of a process, but {local} processes "
             "run on this node; launch one process per node (accelerate launch --num_processes = the number of nodes)"
         )
@@ -261,11 +261,11 @@ def _load_model(spec: JobSpec, device: torch.device, mesh: Mesh) -> tuple[Loaded
         device_map=spec.device_map, tensor_parallel=mesh.meshes,
     )  # fmt: skip
     if spec.device_map is not None and loaded.kind != "text":
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--device-map applies to hf: text models; --model {spec.model} is not one (drop --device-map)"
         )
     if mesh.tensor_parallel > 1 and loaded.kind != "text":
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--tensor-parallel applies to hf: text models (transformers' own plans); --model {spec.model} is not "
             "one (drop --tensor-parallel: each process holds the whole model)"
         )
@@ -342,12 +342,12 @@ def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: Loade
 def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
     """A text model needs text and a vision model images: said before anything is tokenized or written."""
     if model_kind == "text" and not text_data:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--model {spec.model} is a text model, but --data {spec.data} holds images; "
             "give it text (text:GLOB of .jsonl, .txt or .parquet, or an hf: dataset with a text column)"
         )
     if model_kind != "text" and text_data:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--data {spec.data} holds text, but --model {spec.model} is a vision model; "
             "use a text model (hf:DIR with a tokenizer) or image data"
         )
@@ -419,11 +419,11 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
         with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
             job = _prepare(spec, state, mesh, life.existing)
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite, _predated(job, life.existing))
-            if action == "complete":
+            if action is Action.COMPLETE:
                 return _already_complete(job, log)
             _announce(job, log)
             store = life.open(action, lambda writer: _create(job, life.location, writer))
-            pending, shares = _share(job, life, store, resume=action == "resume", log=log)
+            pending, shares = _share(job, life, store, resume=action is Action.RESUME, log=log)
             summary = _extract(job, store, pending, shares[mesh.data_rank], edit, stop, life.check_lock)
             life.finish(summary.record())
     if state.is_main_process:

@@ -13,7 +13,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from ..errors import ExtractError
+from ..errors import InvalidRequestError
 from ..names import COMPRESSORS, DECODES
 from ..names.options import Check, Option, declared_options, flag_of, option
 from ..store.location import Location, parse
@@ -47,52 +47,52 @@ OUTSIDE_IDENTITY = {
 
 def _at_least_one(flag: str, value: int) -> None:
     if value < 1:
-        raise ExtractError(f"{flag} must be at least 1, got {value}")
+        raise InvalidRequestError(f"{flag} must be at least 1, got {value}")
 
 
 def _positive(flag: str, value: int) -> None:
     if value < 1:
-        raise ExtractError(f"{flag} must be a positive integer, got {value}")
+        raise InvalidRequestError(f"{flag} must be a positive integer, got {value}")
 
 
 def _one_of(choices: tuple[str, ...]) -> Check:
     def check(flag: str, value: str) -> None:
         if value not in choices:
-            raise ExtractError(f"unknown {flag} '{value}'; choose one of {', '.join(choices)}")
+            raise InvalidRequestError(f"unknown {flag} '{value}'; choose one of {', '.join(choices)}")
 
     return check
 
 
 def _device_map(flag: str, value: str) -> None:
     if value not in DEVICE_MAPS:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"unknown {flag} '{value}'; choose {', '.join(DEVICE_MAPS)} (accelerate's big-model dispatch)"
         )
 
 
 def _workers(flag: str, value: int) -> None:
     if value < 0:
-        raise ExtractError(f"{flag} must be 0 or more, got {value}")
+        raise InvalidRequestError(f"{flag} must be 0 or more, got {value}")
 
 
 def _timeout(flag: str, value: float) -> None:
     if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
-        raise ExtractError(f"{flag} must be positive seconds, at most {MAX_TIMEOUT} (a week), got {value}")
+        raise InvalidRequestError(f"{flag} must be positive seconds, at most {MAX_TIMEOUT} (a week), got {value}")
 
 
 def _seed(flag: str, value: int) -> None:
     if value not in SEEDS:
-        raise ExtractError(f"{flag} must be between -2**63 and 2**64 - 1 (torch's range), got {value}")
+        raise InvalidRequestError(f"{flag} must be between -2**63 and 2**64 - 1 (torch's range), got {value}")
 
 
 def _sae(flag: str, value: list[str]) -> None:
     for entry in value:
         layer, _, path = entry.partition("=")
         if not layer or not path:
-            raise ExtractError(f"{flag} {entry}: give LAYER=PATH (the layer, then the SAE's directory)")
+            raise InvalidRequestError(f"{flag} {entry}: give LAYER=PATH (the layer, then the SAE's directory)")
     layers = [entry.partition("=")[0] for entry in value]
     if len(set(layers)) != len(layers):
-        raise ExtractError(f"{flag} gives layer {max(layers, key=layers.count)} twice; give one SAE per layer")
+        raise InvalidRequestError(f"{flag} gives layer {max(layers, key=layers.count)} twice; give one SAE per layer")
     from ..capture.sae_files import check_saved_sae  # reads two small files: when a job is checked, not for --help
 
     for entry in value:  # a torn or contradictory SAE: refused before any model loads or any store exists
@@ -109,13 +109,13 @@ def _check_out(flag: str, out: str) -> None:
     """``--out`` names a store of its own: the current directory, or one above it, would be taken over
     (and ``--overwrite`` would delete it)."""
     if not out.strip():
-        raise ExtractError("--out is empty; name the store to write, e.g. features.zarr")
+        raise InvalidRequestError("--out is empty; name the store to write, e.g. features.zarr")
     if parse(out).remote:  # a malformed store URL is one line now, before any compute
         return
     here, path = Path.cwd().resolve(), Path(out).resolve()
     if path == here or path in here.parents:
         where = "the current directory" if path == here else f"a directory above the current one ({here})"
-        raise ExtractError(f"--out {out} is {where}; name a store inside it, e.g. --out features.zarr")
+        raise InvalidRequestError(f"--out {out} is {where}; name a store inside it, e.g. --out features.zarr")
 
 
 # The help texts that list a registry's entries import it when asked (see ``Text``).
@@ -509,16 +509,16 @@ class JobSpec:
             if declared.check is not None and value is not None:
                 declared.check(flag_of(f), value)
         if self.sae_only and not self.sae:
-            raise ExtractError(
+            raise InvalidRequestError(
                 "--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH"
             )
         if self.tensor_parallel is not None and self.tensor_parallel > 1 and self.device_map is not None:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"--tensor-parallel {self.tensor_parallel} splits the model over a group of processes, --device-map "
                 f"{self.device_map} over one process's GPUs; give one of them"
             )
         if self.pack is not None and self.context_length is not None and self.pack != self.context_length:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"--pack {self.pack} makes contexts of {self.pack} tokens, but --context-length is "
                 f"{self.context_length}; give one of them (--pack alone sets the context length)"
             )
@@ -594,6 +594,6 @@ def check_types(options: Mapping[str, Any], source: str) -> None:
     for key, value in options.items():
         expected = hints.get(key)
         if expected is not None and not _fits(value, expected):
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{source} '{key}' = {value!r} must be {_describe(expected)}, not {type(value).__name__}"
             )

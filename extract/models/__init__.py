@@ -15,7 +15,7 @@ import importlib.metadata
 import platform
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ExtractError
+from ..errors import InvalidRequestError
 from . import registry
 from .registry import ModelSource
 
@@ -104,7 +104,7 @@ def check_tensor_parallel(name: str, weights: str, checkpoint: str | None, size:
 
         if hf.check_tensor_parallel(source_name, weights, checkpoint, size):
             return
-    raise ExtractError(
+    raise InvalidRequestError(
         f"--tensor-parallel applies to hf: text models (transformers' own plans); --model {name} is not "
         "one (drop --tensor-parallel: each process holds the whole model)"
     )

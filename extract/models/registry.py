@@ -15,7 +15,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import ExtractError
+from ..errors import ExtractError, InvalidRequestError
 
 if TYPE_CHECKING:
     from .base import LoadedModel, ModelRequest
@@ -82,7 +82,7 @@ def resolve(model: str) -> tuple[ModelSource, str]:
     if source is None:
         return FACTORY, model
     if not rest:
-        raise ExtractError(f"--model {model}: name the model after '{prefix}:', e.g. {source.example}")
+        raise InvalidRequestError(f"--model {model}: name the model after '{prefix}:', e.g. {source.example}")
     _require(source)
     return source, rest
 

@@ -2,7 +2,8 @@
 packed store's contexts were cut (``PackInfo``), layer names (``LayerRef``, ``matches_glob``,
 ``closest``, ``shape_text``: ``layers.py``), which axis holds the channels (``Layout``: ``layout.py``)
 the pool names (``POOL_CHOICES``, ``TEXT_POOLS``, ``MODEL_POOL``: here) and their reductions
-(``make_pool``, ``per_layer``, ``ModelPooling``: ``pooling.py``, imported by name, since it loads torch).
+(``make_pool``, ``per_layer``, ``ModelPooling``: ``pooling.py``, imported by name, since it loads torch),
+and the store life cycle's actions (``Action``: ``life.py``).
 
 Capture, the store, the reader and the analysis import these from here; nothing here imports them."""
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from .layers import LayerRef, closest, matches_glob, shape_text
 from .layout import Layout
+from .life import Action
 
 __all__ = [
     "COMPRESSORS",
@@ -23,6 +25,7 @@ __all__ = [
     "MODEL_POOL",
     "POOL_CHOICES",
     "TEXT_POOLS",
+    "Action",
     "Kind",
     "LayerRef",
     "Layout",

@@ -20,12 +20,13 @@ import zarr
 from zarr.buffer.cpu import NDBuffer
 
 from ..errors import (
-    ExtractError,
+    InvalidRequestError,
     LayerNotFoundError,
     PoolMismatchError,
     PoolShapeError,
     SampleIndexError,
     StoreBusyError,
+    StoreDamagedError,
 )
 from ..names import Kind
 from ..names.layers import closest
@@ -140,7 +141,7 @@ def _empty(shape: tuple[int, ...], dtype: str | np.dtype) -> np.ndarray | torch.
         numpy_dtype = None
     # the dtypes ``torch.from_numpy`` takes, so that numpy and torch reads refuse the same ones
     if numpy_dtype is None or numpy_dtype.kind not in "biufc":
-        raise ExtractError(
+        raise InvalidRequestError(
             f"dtype '{dtype}' is not a numpy dtype torch can hold (use float32, float16, float64, or bfloat16 "
             "with as_torch=True)"
         )
@@ -388,7 +389,7 @@ class Features:
         token store (N_docs,), the documents' (``file.jsonl/LINE``, ``file.parquet/ROW``, ``split/ROW``); in a
         packed one, the source documents' (``num_source_documents``; its rows' are ``doc``)."""
         if not self.store.has("keys"):
-            raise ExtractError(f"{self.path} records no sample keys (written before stores had them)")
+            raise InvalidRequestError(f"{self.path} records no sample keys (written before stores had them)")
         if self.kind is Kind.TOKENS:
             return self._reads.whole("keys")
         return self._reads.checked("keys", "keys", range(self.num_chunks), lambda: self._placed("keys")[:])
@@ -397,7 +398,7 @@ class Features:
     def text(self) -> TextView:
         """A text store's token-level accessors (offsets, token ids, documents, packing): ``TextView``."""
         if self.kind is Kind.IMAGES:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.path} is an image store; offsets, token ids and documents belong to text stores "
                 "(kind tokens or documents): open one of those for features.text"
             )
@@ -480,7 +481,7 @@ class Features:
         rows = _normalize(index, self.num_samples)
         reduce = _pool(pool, self.layout(layer))
         if dtype == storage.BFLOAT16 and not as_torch:
-            raise ExtractError(f"load({layer!r}, dtype='bfloat16'): numpy has no bfloat16; pass as_torch=True")
+            raise InvalidRequestError(f"load({layer!r}, dtype='bfloat16'): numpy has no bfloat16; pass as_torch=True")
         pooled = (self.attrs.get("pools") or {}).get(layer) if reduce is not None else None
         shape = _reduced_shape(layer, self.shapes[layer], reduce, pool, pooled)
         out = _empty((rows.count, *shape), dtype or storage.read_dtype(array, as_torch))
@@ -543,13 +544,13 @@ class Features:
         array = self.array(layer)
         known = self.store.stats_layers()
         if known is None:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.path} was written before stores kept statistics; compute them from load({layer!r}), "
                 "or extract into a new --out to have them"
             )
         if layer not in known:
             shape = ", ".join(map(str, array.shape[1:]))
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.path}: layer '{layer}' is stored as ({shape}) per row and statistics are kept for 1-D rows "
                 "and for layers with a known layout only (or the store predates per-position statistics); "
                 "extract it with --pool or --layout to have them, or compute them from load()"
@@ -628,7 +629,7 @@ def follow_done(opened: Sequence[Features], chunks: Iterable[int], poll: float) 
             waiting -= done
             yield new, not waiting
         elif complete:
-            raise ExtractError(
+            raise StoreDamagedError(
                 f"{opened[0].path} says complete, but chunks {sorted(waiting)[:5]} are not done: run "
                 f"`python -m extract.verify {opened[0].path} --repair`, then the job's command again"
             )
@@ -655,7 +656,7 @@ def open_features(path: str | os.PathLike[str] | Location, *, allow_partial: boo
                 f"{location} is being written by a job ({job}; {done} of {features.num_chunks} chunks written): "
                 "wait for the job to finish, or open it now with allow_partial=True and read features.present"
             )
-        raise ExtractError(
+        raise StoreDamagedError(
             f"{location} is not complete (status '{features.attrs.get('status')}', {done} of {features.num_chunks} "
             "chunks written): rerun the same extract command to finish it, or open it with "
             "allow_partial=True and read features.present"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ..errors import ExtractError, UnalignedStoresError
+from ..errors import InvalidRequestError, UnalignedStoresError
 from ..names import Kind
 from ..store.arrays import PACKED_ARRAYS, TOKEN_ARRAYS
 from ..store.chunks import Plan
@@ -85,10 +85,10 @@ def layer_rows(features: Features, layer: str) -> Rows:
     shape = features.pooled_shape(layer)  # an unknown layer: LayerNotFoundError with the valid names
     if features.kind is Kind.TOKENS:
         if len(shape) != 1:
-            raise ExtractError(f"{features.path}: layer '{layer}' is not stored as (tokens, D) rows")
+            raise InvalidRequestError(f"{features.path}: layer '{layer}' is not stored as (tokens, D) rows")
         return Rows(shape)
     if features.kind is not Kind.IMAGES:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"{features.path} is not a token store (kind '{features.kind}'); TokenStream reads token stores' rows "
             "and image stores' patches: read this one with FeatureDataset"
         )
@@ -97,11 +97,11 @@ def layer_rows(features: Features, layer: str) -> Rows:
         return Rows(shape, layout.index("C"))
     stored = ", ".join(map(str, shape))
     if len(shape) == 1:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"{features.path}: layer '{layer}' of this image store is one {tuple(shape)} row per image, pooled at "
             "extraction, not one per patch; read it with FeatureDataset, or extract it with --pool none"
         )
-    raise ExtractError(
+    raise InvalidRequestError(
         f"{features.path}: layer '{layer}' is stored as ({stored}) per image and the store records no layout "
         f"({', '.join(PATCH_LAYOUTS)}) saying which axis holds the channels; extract it again with --layout"
     )

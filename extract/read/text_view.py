@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ExtractError, SampleIndexError
+from ..errors import InvalidRequestError, SampleIndexError
 from ..names import Kind
 
 if TYPE_CHECKING:  # the view is made by Features, which imports this module; torch only names a type
@@ -124,7 +124,7 @@ class TextView:
         store, read chunk-wise like ``Features.load`` (which takes the same keyword arguments)."""
         features = self.features
         if features.kind is not Kind.TOKENS:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{features.path} is a {features.kind} store; document(i) reads a token store's rows (use load)"
             )
         if not -self.num_documents <= index < self.num_documents:
@@ -132,7 +132,7 @@ class TextView:
         index %= self.num_documents
         if layer is None:
             if len(features.layers) != 1:
-                raise ExtractError(f"name the layer: {features.path} has {', '.join(features.layers)}")
+                raise InvalidRequestError(f"name the layer: {features.path} has {', '.join(features.layers)}")
             layer = features.layers[0]
         return features.load(layer, slice(int(self.offsets[index]), int(self.offsets[index + 1])), **load)
 
@@ -149,14 +149,14 @@ class TextView:
     def _has_token_rows(self, name: str) -> None:
         """A document store keeps each document's token count (``offsets``), not its tokens' ``name``."""
         if self.features.kind is Kind.DOCUMENTS and not self.features.store.has(name):
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.features.path} is a document store (one pooled row per document): it keeps each document's "
                 f"token count (offsets), not its {name}; extract without --pool for a token store"
             )
 
     def _packed(self, name: str) -> np.ndarray:
         if self.pack is None:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{self.features.path} is not packed; '{name}' belongs to stores extracted with --pack (its "
                 "rows' documents are token_documents)"
             )

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import ExcludeRuleError, ExtractError
+from ..errors import ExcludeRuleError, InvalidRequestError
 from ..names import Kind
 from ..store import dtypes as storage
 from ..store.chunks import Plan
@@ -70,7 +70,9 @@ def _parse_rules(exclude: str | Sequence[str]) -> _Rules:
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ExtractError(f"dtype {dtype!r} is not a torch floating dtype (use float32, float16, bfloat16, float64)")
+        raise InvalidRequestError(
+            f"dtype {dtype!r} is not a torch floating dtype (use float32, float16, bfloat16, float64)"
+        )
     return value
 
 
@@ -291,17 +293,17 @@ class TokenStream(IterableDataset):
             raise ValueError(f"layers: a layer is named twice ({keys})")
         positions = {source.key: source.rows.positions for source in self.sources}
         if len(set(positions.values())) > 1:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{first.path}: the layers have different numbers of patches per image ({positions}); "
                 "stream layers of one patch grid together"
             )
         if self.stack and any(source.codes for source in self.sources):
-            raise ExtractError(
+            raise InvalidRequestError(
                 "stack=True stacks dense layers; SAE codes (latents/...) stream as their own sparse batch"
             )
         widths = {source.key: source.rows.width for source in self.sources}
         if self.stack and len(set(widths.values())) > 1:
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"stack=True needs one width D for every source, but they have {widths}; use stack=False"
             )
 
@@ -406,7 +408,7 @@ class TokenStream(IterableDataset):
             if not source.codes
         }
         if any(not np.isfinite(m) for m in medians.values()):
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"{opened[0].path}: no rows to take the median norm of for high_norm (every row is excluded)"
             )
         return medians

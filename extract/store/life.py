@@ -30,8 +30,10 @@ from ..errors import (
     LockUnavailable,
     StoreBusyError,
     StoreDamagedError,
+    StoreMismatchError,
     rebuilt,
 )
+from ..names import Action
 from . import latents
 from .fence import lost_lock
 from .location import Location, from_object_storage, locate, storage_error
@@ -154,6 +156,8 @@ class StoreLife:
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.lock = lock.__enter__()
+        except StoreBusyError:  # a BlockingIOError, but another job's lock, not an unwritable place
+            raise
         except (LockUnavailable, OSError) as e:
             if not self.out.is_dir():
                 raise e if isinstance(e, ExtractError) else ExtractError(f"--out {self.out}: {e}") from None
@@ -172,7 +176,7 @@ class StoreLife:
 
     def decide(
         self, identity: dict[str, Any], fingerprint: str, overwrite: bool, predates: Mapping[str, Any] | None = None
-    ) -> str:
+    ) -> Action:
         """``create`` (also whenever ``overwrite``), ``resume`` or ``complete``; refuses another job's store,
         and a store whose done chunks lost objects is resumed to recompute exactly those. ``predates``: the
         values of identity fields that a store made before they were recorded keeps in its ``job`` record
@@ -181,7 +185,7 @@ class StoreLife:
 
     def _decide(
         self, identity: dict[str, Any], fingerprint: str, overwrite: bool, predates: Mapping[str, Any]
-    ) -> str:
+    ) -> Action:
         existing = self.existing
         if existing is not None and DAMAGED in existing and not overwrite:
             raise StoreDamagedError(
@@ -190,21 +194,21 @@ class StoreLife:
             )
         before = {**predates, **(existing or {}).get("identity", {})}
         if existing is None or overwrite:
-            action = "create"
+            action = Action.CREATE
         elif existing.get("fingerprint") == fingerprint or (predates and digest_of(before) == fingerprint):
-            action = "complete" if existing.get("status") == "complete" else "resume"
+            action = Action.COMPLETE if existing.get("status") == "complete" else Action.RESUME
         else:
             keys = [*identity, *(key for key in before if key not in identity)]
             differs = [key for key in keys if before.get(key) != identity.get(key)] or ["fingerprint"]
             if set(differs) <= set(COMPUTATION):  # the same job computed otherwise: its last bits differ
-                raise ExtractError(_computed_otherwise(self.out, differs, before, identity))
-            raise ExtractError(
+                raise StoreMismatchError(_computed_otherwise(self.out, differs, before, identity))
+            raise StoreMismatchError(
                 f"--out {self.out} holds a different job (differs in: {', '.join(differs)}); "
                 "pass --overwrite to replace it, or choose another --out"
             )
-        if action != "create":
+        if action is not Action.CREATE:
             action = self._recheck(action)
-        if action != "complete":
+        if action is not Action.COMPLETE:
             if self.read_only:
                 raise ExtractError(
                     f"--out {self.out} is not writable (read-only or no permission); choose another --out"
@@ -214,7 +218,7 @@ class StoreLife:
                 check_writable(target, f"--out {self.out} is not writable")
         return action
 
-    def _recheck(self, action: str) -> str:
+    def _recheck(self, action: Action) -> Action:
         """``resume`` when done chunks lost objects (their done is cleared) or a "complete" store has
         chunks not done (its status goes back to running): the rerun computes exactly those."""
         store = FeatureStore.open(self.location, mode="r")  # validates the metadata
@@ -225,18 +229,18 @@ class StoreLife:
                 f"{self.out} --repair` to restore them, or pass --overwrite to start afresh"
             )
         missing = store.integrity.missing_objects()
-        pending = store.pending_chunks() if action == "complete" else []
-        documents = store.creation.damage() if action == "complete" else []
+        pending = store.pending_chunks() if action is Action.COMPLETE else []
+        documents = store.creation.damage() if action is Action.COMPLETE else []
         if documents and not self.read_only:  # the text stage surveyed the data again to rewrite them
             FeatureStore.open(self.location).update_attrs(status="running")
             if not missing and not pending:
-                return "resume"
+                return Action.RESUME
         if not missing and not pending:
             return action
         first = ", ".join(f"chunk {k}: {', '.join(names)}" for k, names in list(missing.items())[:3])
         if self.read_only:
             what = f"lost objects ({first})" if missing else f"is marked complete but chunks {pending[:5]} are not done"
-            raise ExtractError(f"--out {self.out} {what} and is not writable; copy it elsewhere")
+            raise StoreDamagedError(f"--out {self.out} {what} and is not writable; copy it elsewhere")
         writable = FeatureStore.open(self.location)
         if missing:
             writable.integrity.clear_done(sorted(missing))
@@ -247,11 +251,11 @@ class StoreLife:
                 f"extract: {self.out} is marked complete but {len(pending)} chunks are not done "
                 f"(chunk {', '.join(map(str, pending[:5]))}); computing them"
             )
-        return "resume"
+        return Action.RESUME
 
     # create or reopen, and record the run --------------------------------------------------------
 
-    def open(self, action: str, create: Callable[[str], FeatureStore]) -> FeatureStore:
+    def open(self, action: Action, create: Callable[[str], FeatureStore]) -> FeatureStore:
         """Rank 0 creates the store (atomically) when ``action`` is ``create``, with the lock's token as its
         ``writer`` (``create(token)``), or makes the token the writer of the store it resumes; then every
         rank opens the store fenced by that token, so that none writes once another job has it."""
@@ -259,7 +263,7 @@ class StoreLife:
         def prepare() -> str:
             assert self.lock is not None  # only "complete" needs no lock, and it opens nothing
             self.check_lock(afresh=True)  # a claimer paused since the claim must not take the store back
-            if action == "create":
+            if action is Action.CREATE:
                 create(self.lock.token)
             else:
                 FeatureStore.open(self.location).claim(self.lock.token)
@@ -328,7 +332,7 @@ class StoreLife:
             raise ExtractError(f"chunks {left[:5]} of {self.out} were not written; rerun the same command")
         if missing := self.store.integrity.missing_objects():
             self.store.integrity.clear_done(sorted(missing))
-            raise ExtractError(
+            raise StoreDamagedError(
                 f"{len(missing)} chunks of {self.out} lost objects right after being written (chunk "
                 f"{next(iter(missing))}); check the filesystem, then rerun the same command"
             )

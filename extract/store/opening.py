@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 import zarr
 
-from ..errors import ExtractError, StoreBeingCreatedError, StoreDamagedError, StoreNotFoundError
+from ..errors import (
+    ExtractError,
+    InvalidRequestError,
+    StoreBeingCreatedError,
+    StoreDamagedError,
+    StoreMismatchError,
+    StoreNotFoundError,
+)
 from ..names import Kind
 from . import latents, objects, remote
 from .arrays import DIGESTS, METADATA, PACKED_ARRAYS, TEXT_ARRAYS, TOKEN_ARRAYS, row_arrays
@@ -63,9 +70,11 @@ def _create_remote(location: Location, skeleton: Skeleton, attrs: dict[str, Any]
     url, store = str(location), open_store(location)
     found = remote.survey(store)
     if found.occupied and not found.ours:
-        raise ExtractError(f"--out {url} is a prefix of objects that are not an extract store; choose a new prefix")
+        raise InvalidRequestError(
+            f"--out {url} is a prefix of objects that are not an extract store; choose a new prefix"
+        )
     if found.root is not None and not overwrite:
-        raise ExtractError(f"--out {url} already holds a store; pass --overwrite to replace it")
+        raise StoreMismatchError(f"--out {url} already holds a store; pass --overwrite to replace it")
     if found.occupied:
         remote.delete_store(store)
     building = remote.RootLast(store)

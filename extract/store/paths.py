@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import ExtractError, StoreDamagedError
+from ..errors import ExtractError, InvalidRequestError, StoreDamagedError
 from . import remote
 from .arrays import METADATA
 from .fence import ROOT_METADATA
@@ -92,16 +92,16 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
     is fine: there is nothing to write).
     """
     if path.is_file():
-        raise ExtractError(f"--out {path} is a regular file, not a store; choose another --out")
+        raise InvalidRequestError(f"--out {path} is a regular file, not a store; choose another --out")
     for above in Path(os.path.abspath(path)).parents:  # a store inside a store would become its member
         if store_attrs(above) is not None:
-            raise ExtractError(f"--out {path} is inside the extract store {above}; choose a path outside it")
+            raise InvalidRequestError(f"--out {path} is inside the extract store {above}; choose a path outside it")
     if path.is_dir():
         attrs = store_attrs(path)
         if attrs is None and (damage := damaged_root(path)) is not None:
             return {DAMAGED: damage}  # replaced with --overwrite, refused without: decided with the job
         if attrs is None and any(path.iterdir()):
-            raise ExtractError(
+            raise InvalidRequestError(
                 f"--out {path} is a directory that is not an extract store; choose a new path (it is never overwritten)"
             )
         return attrs
@@ -109,7 +109,7 @@ def check_out_path(path: Path) -> dict[str, Any] | None:
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ExtractError(f"--out {path}: {parent} is a file, not a directory; choose another --out")
+        raise InvalidRequestError(f"--out {path}: {parent} is a file, not a directory; choose another --out")
     check_writable(parent, f"--out {path}: cannot create it under {parent} (not writable)")
     return None
 
@@ -125,7 +125,7 @@ def check_out_url(url: str) -> dict[str, Any] | None:
     if found.root is not None and found.ours:
         return {DAMAGED: "it does not decode as an extract store's metadata"}
     if found.occupied and not found.ours:
-        raise ExtractError(
+        raise InvalidRequestError(
             f"--out {url} is a prefix of objects that are not an extract store; choose a new prefix "
             "(it is never overwritten)"
         )

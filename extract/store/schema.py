@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from ..errors import ExtractError
+from ..errors import InvalidRequestError
 from ..names import COMPRESSORS
 from .checksum import Crc32cCodec
 
@@ -50,7 +50,7 @@ def codecs(compressor: str) -> list[Any] | None:
         return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")]
     if compressor == "none":
         return None
-    raise ExtractError(f"unknown --compressor '{compressor}'; choose one of {', '.join(COMPRESSORS)}")
+    raise InvalidRequestError(f"unknown --compressor '{compressor}'; choose one of {', '.join(COMPRESSORS)}")
 
 
 def checked(compressors: list[Any] | None) -> list[Any]:
