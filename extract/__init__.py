@@ -32,8 +32,8 @@ from .errors import ExtractError  # noqa: E402 - light, and what every caller ca
 
 if TYPE_CHECKING:
     from .capture.hooks import Capture
-    from .errors import StopForward
     from .capture.layers import resolve_layers
+    from .errors import StopForward
     from .job.runner import run
     from .job.spec import JobSpec
     from .names.layers import LayerRef
