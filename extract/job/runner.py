@@ -39,7 +39,7 @@ from ..data.text import TextSource
 from ..errors import ExtractError
 from ..models import LoadedModel, build_model, check_tensor_parallel, library_versions
 from ..models.hf_text import input_device
-from ..names import Kind
+from ..names import Kind, ModelKind
 from ..names.layers import LayerRef
 from ..store.chunks import Plan
 from ..store.indexes import saved_index
@@ -141,7 +141,7 @@ def print_layers(spec: JobSpec, out: Log = print) -> None:
         model, lambda x: loaded.call(model, x), loaded.example(2), loaded.example(2, scale=2),
         loaded.aliases, loaded.layout_hints,
     )  # fmt: skip
-    if loaded.kind == "text":
+    if loaded.kind is ModelKind.TEXT:
         tokens = loaded.example(1)["input_ids"].shape[1]
         shown = f"a batch of B sequences of T tokens (T = {tokens} here)"
         out(f"# {spec.model}: output shapes for {shown}; layout where 3-D or 4-D")
@@ -260,11 +260,11 @@ def _load_model(spec: JobSpec, device: torch.device, mesh: Mesh) -> tuple[Loaded
         spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision,
         device_map=spec.device_map, tensor_parallel=mesh.meshes,
     )  # fmt: skip
-    if spec.device_map is not None and loaded.kind != "text":
+    if spec.device_map is not None and loaded.kind is not ModelKind.TEXT:
         raise ExtractError(
             f"--device-map applies to hf: text models; --model {spec.model} is not one (drop --device-map)"
         )
-    if mesh.tensor_parallel > 1 and loaded.kind != "text":
+    if mesh.tensor_parallel > 1 and loaded.kind is not ModelKind.TEXT:
         raise ExtractError(
             f"--tensor-parallel applies to hf: text models (transformers' own plans); --model {spec.model} is not "
             "one (drop --tensor-parallel: each process holds the whole model)"
@@ -276,7 +276,7 @@ def _set_up_layers(
     spec: JobSpec, device: torch.device, loaded: LoadedModel, refs: list[LayerRef], precision: str, mesh: Mesh
 ) -> _Model:
     """The model on its device, with the layers ``refs`` set up by an example forward."""
-    if loaded.kind == "text":  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
+    if loaded.kind is ModelKind.TEXT:  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
         autocast = contextlib.nullcontext()
         # a dispatched model stays where accelerate put it, a tensor-parallel one where its plan put its
         # shards; it takes its inputs on its embeddings' device
@@ -339,14 +339,14 @@ def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: Loade
         )
 
 
-def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
+def _check_kinds(spec: JobSpec, model_kind: ModelKind, text_data: bool) -> None:
     """A text model needs text and a vision model images: said before anything is tokenized or written."""
-    if model_kind == "text" and not text_data:
+    if model_kind is ModelKind.TEXT and not text_data:
         raise ExtractError(
             f"--model {spec.model} is a text model, but --data {spec.data} holds images; "
             "give it text (text:GLOB of .jsonl, .txt or .parquet, or an hf: dataset with a text column)"
         )
-    if model_kind != "text" and text_data:
+    if model_kind is not ModelKind.TEXT and text_data:
         raise ExtractError(
             f"--data {spec.data} holds text, but --model {spec.model} is a vision model; "
             "use a text model (hf:DIR with a tokenizer) or image data"

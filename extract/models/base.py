@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import ExtractError
+from ..names import ModelKind
 from ..names.layers import LayerRef
 
 Transform = Callable[[Any], torch.Tensor]
@@ -55,10 +56,10 @@ class LoadedModel:
     own error where the forward that finds them failed (such a name is refused with it), and
     ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
     knows it and the shapes cannot tell (see ``extract.capture.layout``). ``kind`` says what it
-    takes: ``"image"`` here, ``"text"`` for ``extract.models.hf_text.TextModel``.
+    takes: ``ModelKind.IMAGE`` here, ``ModelKind.TEXT`` for ``extract.models.hf_text.TextModel``.
     """
 
-    kind: ClassVar[str] = "image"
+    kind: ClassVar[ModelKind] = ModelKind.IMAGE
 
     model: nn.Module
     preprocess: Transform

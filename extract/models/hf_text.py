@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import ExtractError
+from ..names import ModelKind
 from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling
 from .base import LoadedModel, ModelRequest
 from .hf_hub import hidden_state_aliases, load_pretrained, model_file, transformer_lens_aliases
@@ -94,7 +95,7 @@ class TextModel(LoadedModel):
     max_positions: int | None = None  # the positions the model has (None: unbounded)
     sentence: SentenceConfig | None = None  # a sentence-transformers folder's own pipeline, where it is one
     sentence_missing: str = ""  # where modules.json was looked for, for --pool model's message
-    kind: ClassVar[str] = "text"
+    kind: ClassVar[ModelKind] = ModelKind.TEXT
     _backend: Any = field(default=None, init=False, repr=False, compare=False)
     _call_options: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _record: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
