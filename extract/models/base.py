@@ -11,7 +11,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from torch import nn
 from ..errors import ExtractError
 from ..names import ModelKind
 from ..names.layers import LayerRef
+
+if TYPE_CHECKING:
+    from ..processes import TensorMeshes
 
 Transform = Callable[[Any], torch.Tensor]
 
@@ -37,7 +40,7 @@ class ModelRequest:
     hub_offline: bool = False  # the Hugging Face hub is not reachable: read its cache only (see hub_offline())
     precision: str | None = None  # fp32 | bf16 | fp16: the dtype text models load their weights in (None: fp32)
     device_map: str | None = None  # "auto": a text model spread over the process's GPUs (accelerate big-model dispatch)
-    tensor_parallel: Any = None  # hf_text.TensorMeshes: a text model split over its group with transformers' plan
+    tensor_parallel: TensorMeshes | None = None  # a text model split over its group with transformers' plan
 
     @property
     def random_init(self) -> bool:
