@@ -124,7 +124,7 @@ class Summary:
         return f" with {self.compressor}, {self.compression_ratio:.2f}x less than the features' size in memory"
 
 
-def _autocast(device: torch.device, precision: str) -> Any:
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=AUTOCAST[precision])
@@ -164,7 +164,7 @@ class _Model:
     layers: LayerSetup
     preprocessing: dict[str, Any]  # the record of the model's own transform
     precision: str
-    autocast: Any
+    autocast: contextlib.AbstractContextManager[Any]
     memory_format: torch.memory_format
     saes: JobSaes | None = None  # --sae: the SAE of each layer given one
 
