@@ -143,11 +143,11 @@ def encoded_documents(
 
 
 def survey(
-    source: TextSource, model: Encoder, context_length: int, state: Processes, packing: PackInfo | None
+    source: TextSource, model: Encoder, context_length: int, processes: Processes, packing: PackInfo | None
 ) -> Corpus:
     """Every document's length, label and validity: rank r tokenizes its contiguous share, and only
     those few bytes per document are gathered, on every rank (each plans from them alone)."""
-    start, stop = share(len(source), state.process_index, state.num_processes)
+    start, stop = share(len(source), processes.process_index, processes.num_processes)
     count = stop - start
     lengths = np.zeros(count, dtype=np.int32)
     labels = np.full(count, -1, dtype=np.int32)
@@ -161,7 +161,7 @@ def survey(
             truncated += encoded.dropped > 0
             dropped += encoded.dropped
     part = {"lengths": lengths, "labels": labels, "valid": valid, "truncated": truncated, "dropped": dropped}
-    parts = state.gather(part) if state.num_processes > 1 else [part]
+    parts = processes.gather(part) if processes.num_processes > 1 else [part]
     return Corpus(
         lengths=np.concatenate([p["lengths"] for p in parts]),
         labels=np.concatenate([p["labels"] for p in parts]),

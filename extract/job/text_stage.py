@@ -100,7 +100,7 @@ class TextJob:
 
 def prepare_text(
     spec: JobSpec,
-    state: Processes,
+    processes: Processes,
     existing: Mapping[str, Any] | None,
     loaded: TextModel,
     layers: TextLayerSetup,
@@ -120,9 +120,9 @@ def prepare_text(
         stored, rewrite = _stored(spec, packing, notes)
         if stored is not None:
             return TextJob(stored, context, layers.per_token, budget, record, surveyed=False)
-        corpus = survey(dataset, loaded, context, state, packing)
+        corpus = survey(dataset, loaded, context, processes, packing)
         return TextJob(corpus, context, layers.per_token, budget, record, surveyed=True, rewrite=rewrite)
-    corpus = survey(dataset, loaded, context, state, packing)
+    corpus = survey(dataset, loaded, context, processes, packing)
     job = TextJob(corpus, context, layers.per_token, budget, record, surveyed=True)
     if job.num_tokens == 0:
         if packing is not None:
