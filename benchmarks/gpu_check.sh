@@ -107,7 +107,7 @@ step tests 45 bash benchmarks/cuda_tests.sh tests/test_cuda.py -k "not full_pipe
 # float16 overflow refused on the device, the model's own inf kept; the writer thread's device; --sae
 # statistics in pinned memory with the slot; a text batch up from pinned memory, its mask once.
 step staging 45 bash benchmarks/cuda_tests.sh tests/test_cuda_paths.py \
-  -k "record_stream or overflow or writer_thread or sae_statistics or text_batch" --junitxml="$OUTDIR/test_cuda_staging.xml"
+  -k "record_stream or overflow or writer_thread or sae_statistics or block_statistics or text_batch" --junitxml="$OUTDIR/test_cuda_staging.xml"
 
 # resnet18 through the CLI's runner on CUDA against the CPU float32 reference: fp32 (TF32 off) and bf16
 # compute; float16 and bfloat16 storage, NCHW and channels_last.
@@ -184,6 +184,17 @@ step tokens_mapped 45 --dry --device cpu --device-map --tokens 200 --compare-tok
 step expert_parallel 40 --dry --workdir /tmp/extract-gpu-ep -- "$PY" benchmarks/gpu_expert_parallel.py \
   --workdir /tmp/extract-gpu-ep --json "$OUTDIR/gpu_expert_parallel.json"
 rm -rf /tmp/extract-gpu-ep
+
+# Issue 45: the writer alone at width 8192 in bfloat16 (a 70B model's residual stream), its batches staged
+# from the GPU (pinned slots, side-stream copies, the statistics of whole blocks computed on the device),
+# with 1, 2, 4 and 8 writer threads, against zarr alone on the same rows: the GB/s one process sustains.
+# A GPU that produces more per process than the writer's GB/s waits on it.
+step writer_gpu 50 --dry --device cpu --variants zarr,writer --dtypes bfloat16 --widths 8192 --threads 1 2 \
+  --repeats 1 --megabytes 16 --workdir /tmp/extract-writer-gpu -- \
+  "$PY" benchmarks/writer_cost.py --device cuda --variants zarr,writer --dtypes bfloat16 \
+  --widths 8192 --threads 1 2 4 8 --repeats 1 --megabytes 512 --workdir /tmp/extract-writer-gpu \
+  --json "$OUTDIR/writer_cost_cuda.json"
+rm -rf /tmp/extract-writer-gpu
 
 step rss 45 --dry --device cpu --rss-check --rss-n 16 32 --batch-size 8 -- \
   "$PY" benchmarks/hook_overhead.py --rss-check --rss-n 256 2048 --batch-size 64 \

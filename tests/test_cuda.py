@@ -194,3 +194,25 @@ def test_fp32_as_users_get_it_tf32_convolutions(tmp_path):
         deviations[name] = float(np.abs(stored[name] - expected[name]).max()) / scale
     _record("fp32 (TF32 convolutions, torch's default)", {"max |a - b| / max |b|": deviations})
     assert all(value <= 2e-2 for value in deviations.values()), deviations
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_statistics_on_the_gpu_equal_the_hosts_bit_for_bit(tmp_path, dtype):
+    """Issue 45: the whole blocks of each chunk's rows get their statistics on the GPU before the copy
+    (``capture/block_stats.py``); elementwise float32 operations round as on the host, so the store's
+    statistics are the host's alone bit for bit, whatever the batches (and so the process count); a
+    second run on the GPU gives the same bits."""
+    from helpers.stats_reference import staged_store
+
+    rng = np.random.default_rng(3)
+    layers = {
+        "h": (rng.standard_normal((150, 300)) * np.exp(rng.normal(0, 2, 300))).astype(np.float32),
+        "m": rng.standard_normal((150, 24, 3, 5)).astype(np.float32),
+    }
+    layers["h"][17] = np.nan
+    host = staged_store(tmp_path / "host.zarr", layers, dtype, 64, 50, "cpu", device_stats=False)
+    for batch in (7, 64, 150, 150):
+        gpu = staged_store(tmp_path / f"gpu-{batch}-{len(list(tmp_path.iterdir()))}.zarr", layers, dtype, 64, batch,
+                           "cuda", device_stats=True)  # fmt: skip
+        for layer in layers:
+            np.testing.assert_array_equal(gpu.array(f"stats/{layer}")[:], host.array(f"stats/{layer}")[:])

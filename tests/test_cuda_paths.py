@@ -207,6 +207,29 @@ def test_the_stop_flag_over_nccl_on_one_gpu():
         dist.destroy_process_group()
 
 
+def test_block_statistics_travel_with_the_slot_into_pinned_memory():
+    """Issue 45's statistics of whole blocks, computed on the device, reach the writer as issue 49's --sae
+    statistics do: copied with the slot into pinned host tensors, equal to the device's."""
+    from extract.capture.block_stats import block_stats
+    from extract.names.stats import BLOCK_ROWS
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = 3 * BLOCK_ROWS
+    staging = HostStaging({"x": (40,)}, rows, torch.float32, device, slots=1, stats={"x": None}, chunk_size=rows)
+    slot = staging.acquire()
+    staging.rows = np.arange(rows)
+    values = torch.randn(rows, 40, device=device)
+    staging.stage("x", values)
+    staging.seal(slot)
+    staging.ready(slot)
+    part = slot.block_stats["x"][0]
+    expected = block_stats(values, 0)
+    for name in ("sums", "squares", "norm_squared", "peak", "beyond", "infinite"):
+        host = getattr(part, name)
+        assert host.device.type == "cpu" and host.is_pinned(), name
+        torch.testing.assert_close(host, getattr(expected, name).cpu(), rtol=0, atol=0)
+
+
 def test_a_text_batch_goes_up_pinned_and_once(monkeypatch):
     from types import SimpleNamespace
 

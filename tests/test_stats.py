@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers.stats_reference import BOUND, assert_close_to_float64, reference_row, staged_store
 from helpers.stores import array_store
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
@@ -82,35 +83,32 @@ def numpy_stats(values: np.ndarray) -> dict:
 
 
 def assert_stats_equal_numpy(path, layer: str) -> dict:
-    """``stats(layer)`` and each chunk's recorded row against numpy over the stored values."""
+    """Each chunk's recorded row equals the contract's arithmetic spelled out (``reference_row``) bit for
+    bit, and ``stats(layer)`` numpy's float64 over the stored values within the contract's bound."""
     f = open_features(path)
-    stored = f.load(layer, dtype=None)  # as stored (float16), converted to float64 by numpy_stats only
+    stored = f.load(layer, dtype=None)  # as stored (float16)
     assert stored.dtype == np.float16
-    expected, got = numpy_stats(stored), f.stats(layer)
-    assert got["count"] == expected["count"]
-    for name in ("mean", "std"):
-        assert got[name].shape == f.shapes[layer]
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-12, err_msg=name)
-    assert got["mean_norm"] == pytest.approx(expected["mean_norm"], rel=1e-12)
-    assert got["max_abs"] == expected["max_abs"]
-    assert (got["float16_overflow"], got["infinite"]) == (expected["float16_overflow"], expected["infinite"])
+    got = f.stats(layer)
+    assert_close_to_float64(got, stored)
     # SAELens's ActivationScaler: sqrt(d_in) / mean of acts.norm(dim=-1), here over every counted row
     acts = torch.from_numpy(stored.astype(np.float64))
     acts = acts[~torch.isnan(acts).any(dim=1)]
-    assert got["scaling_factor"] == pytest.approx(math.sqrt(acts.shape[1]) / acts.norm(dim=-1).mean().item(), rel=1e-12)
+    assert got["scaling_factor"] == pytest.approx(math.sqrt(acts.shape[1]) / acts.norm(dim=-1).mean().item(), rel=1e-6)
     rows = zarr.open_group(path, mode="r")[f"stats/{layer}"]
-    columns = rows.attrs["columns"]
+    assert rows.attrs["columns"] == columns(stored.shape[1])
     assert rows.dtype == np.float64 and rows.shape == (f.num_chunks, len(HEAD) + 2 * stored.shape[1])
     assert rows.chunks == (1, rows.shape[1])
     for k in range(f.num_chunks):
-        chunk = numpy_stats(stored[k * f.chunk_size : (k + 1) * f.chunk_size])
-        row = rows[k]
-        assert row[slice(*columns["count"])][0] == chunk["count"]
-        assert row[slice(*columns["max_abs"])][0] == (chunk["max_abs"] if chunk["count"] else 0)
-        if chunk["count"]:
-            assert row[slice(*columns["sum_norm"])][0] == pytest.approx(chunk["mean_norm"] * chunk["count"], rel=1e-12)
-        for name in ("sum", "sumsq"):
-            np.testing.assert_allclose(row[slice(*columns[name])], chunk[name], rtol=1e-12, atol=1e-12, err_msg=name)
+        chunk = stored[k * f.chunk_size : (k + 1) * f.chunk_size]
+        np.testing.assert_array_equal(rows[k], reference_row(chunk), err_msg=f"chunk {k}")
+        if numpy_stats(chunk)["count"]:  # and each row alone near float64's
+            expected = numpy_stats(chunk)
+            row = rows[k]
+            assert row[0] == expected["count"] and row[2] == expected["max_abs"]
+            magnitudes = np.abs(chunk[~np.isnan(chunk).any(axis=1)].astype(np.float64)).sum(axis=0)
+            assert (
+                np.abs(row[len(HEAD) : len(HEAD) + chunk.shape[1]] - expected["sum"]) <= BOUND * magnitudes * 1.01
+            ).all()
     return got
 
 
@@ -159,13 +157,15 @@ def test_pooled_image_store_stats_equal_numpy(images, tmp_path):
     for layer in ("layer3", "layer4"):
         assert assert_stats_equal_numpy(images, layer)["count"] == 22
     # a map kept whole (NCHW): statistics of each position's 128 channels, every (image, h, w) a row
-    positions = f.load("layer2", dtype=None).transpose(0, 2, 3, 1).reshape(-1, 128)
-    expected, got = numpy_stats(positions), f.stats("layer2")
-    assert got["count"] == expected["count"] == 22 * 16 and got["mean"].shape == (128,)
-    for name in ("mean", "std"):
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-9, atol=1e-12, err_msg=name)
-    assert got["mean_norm"] == pytest.approx(expected["mean_norm"], rel=1e-12)
-    assert got["max_abs"] == expected["max_abs"]
+    maps = f.load("layer2", dtype=None)
+    positions = maps.transpose(0, 2, 3, 1).reshape(-1, 128)
+    got = f.stats("layer2")
+    assert got["count"] == 22 * 16 and got["mean"].shape == (128,)
+    assert_close_to_float64(got, positions)
+    rows = zarr.open_group(images, mode="r")["stats/layer2"]
+    for k in range(f.num_chunks):
+        chunk = maps[k * f.chunk_size : (k + 1) * f.chunk_size]
+        np.testing.assert_array_equal(rows[k], reference_row(chunk, channel_axis=1), err_msg=f"chunk {k}")
     assert zarr.open_group(images, mode="r")["stats"].attrs["layers"] == ["layer2", "layer3", "layer4"]
     # a layer whose layout the store does not record has none
     unknown = array_store(tmp_path / "u.zarr", {"x": np.ones((6, 3, 2, 2), np.float32)}, np.zeros(6, np.int64), 4)
@@ -289,3 +289,100 @@ def test_a_chunk_row_leaves_out_nan_rows_and_counts_infinite_ones():
     assert row[slice(*at["count"])].tolist() == [2] and np.isinf(row[slice(*at["max_abs"])]).all()
     assert row[slice(*at["infinite"])].tolist() == [1] and row[slice(*at["float16_overflow"])].tolist() == [0]
     assert row[slice(*at["sum"])].tolist() == [np.inf, 3]
+
+
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(values).to(torch.bfloat16).view(torch.uint16).numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(
+    ("shape", "channel_axis"),
+    [((1000, 77), None), ((333, 4096), None), ((7, 5, 3, 2), None), ((37, 24, 3, 5), 1), ((9, 7, 7, 40), 3)],
+)
+def test_chunk_row_is_the_contract_bit_for_bit(dtype, shape, channel_axis):
+    """``chunk_row`` against the contract spelled out row by row (``reference_row``): chunks of rows that
+    are not whole blocks, slabs of several blocks, positions per sample that do not divide a block, NaN
+    rows (left out), the model's infinities and float16's overflow (counted), massive channels."""
+    rng = np.random.default_rng(sum(shape))
+    values = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.normal(0, 2, shape[-1])).astype(np.float32)
+    flat = values.reshape(len(values), -1)
+    flat[3] = np.nan  # an invalid sample
+    flat[5, 0] = np.inf
+    flat[6, -1] = 70000.0 if dtype != "float16" else 65504.0
+    flat[-1, 1] = -1e-30  # tiny: float32 sums round it away, float64 would not
+    if dtype == "bfloat16":
+        stored = _bfloat16_bits(values)
+        as_float = torch.from_numpy(stored).view(torch.bfloat16).float().numpy()
+        row = chunk_row(stored, channel_axis, bfloat16=True)
+    else:
+        stored = values.astype(dtype)
+        as_float = stored.astype(np.float32)
+        row = chunk_row(stored, channel_axis)
+    np.testing.assert_array_equal(row, reference_row(as_float, channel_axis))
+    positions = 1 if channel_axis is None else values.size // len(values) // shape[channel_axis]
+    assert row[HEAD.index("infinite")] == 1 and row[HEAD.index("count")] < len(values) * positions  # a NaN row left out
+    # the same chunk cut differently (another slab size) gives the same row: only the chunk decides
+    import extract.store.stats as stats_module
+
+    slab = stats_module.SLAB_VALUES
+    stats_module.SLAB_VALUES = 1000
+    try:
+        again = chunk_row(stored, channel_axis, bfloat16=dtype == "bfloat16")
+    finally:
+        stats_module.SLAB_VALUES = slab
+    np.testing.assert_array_equal(again, row)
+
+
+def _layers(n: int = 150) -> dict[str, np.ndarray]:
+    """Rows of 1-D features and maps kept whole, a NaN sample, the model's inf, values past float16."""
+    rng = np.random.default_rng(3)
+    flat = (rng.standard_normal((n, 300)) * np.exp(rng.normal(0, 2, 300))).astype(np.float32)
+    flat[17] = np.nan
+    flat[40, 3], flat[41, 5] = np.inf, 70000.0
+    maps = rng.standard_normal((n, 24, 3, 5)).astype(np.float32)
+    maps[90, :, 1, 1] = np.nan
+    return {"h": flat, "m": maps}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_statistics_computed_where_the_rows_are_equal_the_hosts_bit_for_bit(tmp_path, dtype):
+    """The device path (``block_stats.py``, here run by torch on the CPU: the same elementwise float32
+    operations a GPU runs) computes whole blocks of each chunk's rows before the copy; the host the rest.
+    The store's statistics equal the host's alone and the contract's spelled out, for batches that cut
+    the chunks and their blocks anywhere (and so, for any number of processes)."""
+    layers = _layers()
+    if dtype == "float16":
+        layers["h"] = np.where(np.abs(layers["h"]) > 65504, np.inf, layers["h"]).astype(np.float32)
+    alone = staged_store(tmp_path / "host.zarr", layers, dtype, 64, 50, "cpu", device_stats=False)
+    expected = {layer: alone.array(f"stats/{layer}")[:] for layer in layers}
+    for batch in (7, 50, 64, 150):
+        store = staged_store(tmp_path / f"device-{batch}.zarr", layers, dtype, 64, batch, "cpu", device_stats=True)
+        for layer in layers:
+            np.testing.assert_array_equal(store.array(f"stats/{layer}")[:], expected[layer], err_msg=f"{layer} {batch}")
+    stored = open_features(tmp_path / "device-64.zarr", allow_partial=True).load("m", dtype="float32")  # exact
+    for k in range(3):
+        row = reference_row(stored[k * 64 : (k + 1) * 64], channel_axis=1)
+        np.testing.assert_array_equal(expected["m"][k], row)
+
+
+def test_device_blocks_skip_the_hosts_work_and_keep_its_bits(monkeypatch):
+    """``block_stats`` + ``Partial``: whole blocks only, aligned on the chunk's first row; a slab the device
+    covers is taken as it is (a poisoned buffer would show), one it does not is computed on the host."""
+    from extract.capture.block_stats import block_stats, stored_rows
+    from extract.store import stats
+    from extract.store.stats import Partial
+
+    monkeypatch.setattr(stats, "SLAB_VALUES", 16 * 300)  # slabs of one block
+    values = _layers(96)["h"].astype(np.float16)
+    host = chunk_row(values)
+    partial = Partial(96 // 16, 300)
+    for first, end in ((0, 37), (37, 96)):  # two batches: rows 32..47 form the block the cut leaves out
+        part = block_stats(stored_rows(torch.from_numpy(values[first:end]), None), first)
+        partial.add(part.numpy())
+    assert partial.covered.tolist() == [True, True, False, True, True, True]
+    np.testing.assert_array_equal(chunk_row(values, partial=partial), host)
+    partial.sums[0] = 1e30  # a covered slab is read from the partial, not recomputed
+    assert chunk_row(values, partial=partial)[len(HEAD)] > 1e29
+    partial.sums[2] = 1e30  # an uncovered one is the host's
+    assert chunk_row(values, partial=partial)[len(HEAD)] > 1e29 and partial.covered.sum() == 5

@@ -121,6 +121,22 @@ def test_a_chunk_copied_from_another_store_is_named(capsys, tmp_path, stores, co
     assert "1 chunk written, 11 reused" in err, err
 
 
+def test_verify_is_a_library_function_the_command_prints(capsys, stores, copy):
+    """``verify_store`` takes a config, not arguments, and returns what the command prints and exits by."""
+    from extract.store.verifying import VerifyConfig, verify_store
+
+    clean = verify_store(VerifyConfig(str(copy)))
+    assert clean.clean and clean.report is not None and clean.report.done == 12
+    assert verify(capsys, copy) == (0, clean.line)
+    reference, other = stores
+    shutil.copyfile(object_path(other, "labels", 3), object_path(copy, "labels", 3))
+    damaged = verify_store(VerifyConfig(str(copy)))
+    assert not damaged.clean and sorted(damaged.report.damaged) == [3]
+    assert verify(capsys, copy) == (1, damaged.line)
+    with pytest.raises(ExtractError, match="is not an extract store"):
+        verify_store(VerifyConfig(str(copy.parent / "missing.zarr")))
+
+
 # --------------------------------------------------------------------------------- identity attributes
 
 

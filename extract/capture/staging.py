@@ -7,20 +7,25 @@ writer has consumed them, so a slow writer makes the forward loop wait instead o
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import fields
-from typing import TYPE_CHECKING
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import torch
 
 from ..names.latents import indices_path, values_path
 from . import cast
+from .block_stats import BlockStats, block_stats, stored_rows
 
 if TYPE_CHECKING:
     from .moe import RouterCodes
     from .sae import LatentStats, SaeEncoder
+
+_Stats = TypeVar("_Stats", "LatentStats", BlockStats)
 
 
 class Slot:
@@ -34,7 +39,9 @@ class Slot:
         # --sae: per layer, the statistics (on the device) of the batch's rows of each chunk
         self.latent_stats: dict[str, dict[int, LatentStats]] = {}
         # --sae on CUDA: pinned host copies of those statistics, by (layer, segment), allocated once and reused
-        self.stats_buffers: dict[tuple[str, int], LatentStats] = {}
+        self.stats_buffers: dict[tuple[str, str, int], dict[str, torch.Tensor]] = {}
+        # per layer, the statistics (on the device) of the whole blocks of each chunk's rows of the batch
+        self.block_stats: dict[str, dict[int, BlockStats]] = {}
         self.checked: set[str] = set()
         self.events: dict[torch.device, torch.cuda.Event] = {}  # reused batch after batch
         self.sources: set[torch.device] = set()  # the devices this batch copied from
@@ -68,8 +75,15 @@ class HostStaging:
         device: torch.device,
         slots: int = 4,
         encoders: Mapping[str, SaeEncoder | RouterCodes] | None = None,
+        stats: Mapping[str, int | None] | None = None,
+        chunk_size: int | None = None,
+        device_stats: bool | None = None,
     ) -> None:
         self.encoders = dict(encoders or {})
+        self.stats = dict(stats or {}) if chunk_size else {}
+        self.chunk_size = chunk_size or 0
+        self.device_stats = (device.type == "cuda") if device_stats is None else device_stats
+        self.rows: np.ndarray | None = None  # the batch's row indices (ascending), for the statistics
         self.segments: list[tuple[int, int, int]] = []
         self.dtype = dtype
         self.device = device
@@ -103,6 +117,7 @@ class HostStaging:
                 self.current.sources.clear()
                 self.current.checked.clear()
                 self.current.latent_stats.clear()
+                self.current.block_stats.clear()
                 return self.current
             except queue.Empty:
                 continue
@@ -123,16 +138,21 @@ class HostStaging:
         peak = cast.finite_peak(value) if value.numel() and cast.narrows(value.dtype, self.dtype) else None
         if peak is not None:
             slot.checked.add(name)
+        computed = self.device_stats and name in self.stats and self.rows is not None and value.numel()
         if value.device.type != "cuda":
             target.copy_(value)
             if peak is not None:
                 slot.peaks[name].copy_(peak)
+            if computed:
+                self._block_stats(slot, name, target)
             return
         source = value.device
         stream = self.copy_streams.get(source)
         if stream is None:
             stream = self.copy_streams[source] = torch.cuda.Stream(source)
         fresh = value.to(dtype=self.dtype, memory_format=torch.contiguous_format, copy=True)
+        if computed:  # on the compute stream, from the values as stored; the writer reads them after ``ready``
+            self._block_stats(slot, name, fresh)
         stream.wait_stream(torch.cuda.current_stream(source))
         with torch.cuda.stream(stream):
             target.copy_(fresh, non_blocking=True)
@@ -142,6 +162,24 @@ class HostStaging:
         if peak is not None:
             peak.record_stream(stream)
         slot.sources.add(source)
+
+    def _block_stats(self, slot: Slot, name: str, stored: torch.Tensor) -> None:
+        """The statistics of the whole blocks of each chunk's contiguous rows of the batch (``stored``: its
+        values in the storage dtype); rows that are not contiguous in their chunk are left to the host."""
+        rows, axis = np.asarray(self.rows, dtype=np.int64), self.stats[name]
+        if len(rows) != len(stored):  # rows that are not the batch's samples one for one: the host's to do
+            return
+        parts = slot.block_stats.setdefault(name, {})
+        positions = 1 if axis is None else math.prod(stored.shape[1:]) // stored.shape[axis]
+        chunks = rows // self.chunk_size
+        starts = np.flatnonzero(np.diff(chunks, prepend=-1)).tolist()
+        for first, end in zip(starts, [*starts[1:], len(rows)], strict=True):
+            if int(rows[end - 1]) - int(rows[first]) != end - first - 1:
+                continue
+            offset = int(rows[first]) - int(chunks[first]) * self.chunk_size
+            part = block_stats(stored_rows(stored[first:end], axis), offset * positions)
+            if part is not None:
+                parts[int(chunks[first])] = self._copy_stats(slot, ("blocks", name, len(parts)), part)
 
     def _encode(self, slot: Slot, name: str, value: torch.Tensor) -> None:
         """The layer's codes, each chunk's rows of the batch with their own statistics (a batch may straddle
@@ -155,26 +193,29 @@ class HostStaging:
             on_device = encoder.new_stats(rows.device)
             codes = encoder.encode(rows[first:end], on_device)
             indices[first:end], values[first:end] = codes.indices, codes.values
-            stats[chunk] = self._copy_stats(slot, (name, segment), on_device)
+            stats[chunk] = self._copy_stats(slot, ("latents", name, segment), on_device)
         self._copy(slot, indices_path(name), indices)
         self._copy(slot, values_path(name), values)
 
-    def _copy_stats(self, slot: Slot, key: tuple[str, int], stats: LatentStats) -> LatentStats:
-        """On CUDA, the statistics copied with the slot's codes into pinned host tensors: the writer reads them
-        after the slot's event, where a ``.cpu()`` of device tensors on its thread would wait for whatever
-        forward is queued by then (and make that thread a context on the current device)."""
-        if stats.count.device.type != "cuda":
+    def _copy_stats(self, slot: Slot, key: tuple[str, str, int], stats: _Stats) -> _Stats:
+        """On CUDA, statistics (a dataclass of device tensors: ``LatentStats``, ``BlockStats``) copied with the
+        slot's rows into pinned host tensors, allocated once per ``key`` and reused while their shapes hold: the
+        writer reads them after the slot's event, where a ``.cpu()`` of device tensors on its thread would wait
+        for whatever forward is queued by then (and make that thread a context on the current device)."""
+        tensors = {f.name: value for f in fields(stats) if isinstance(value := getattr(stats, f.name), torch.Tensor)}
+        if next(iter(tensors.values())).device.type != "cuda":
             return stats
         host = slot.stats_buffers.get(key)
-        if host is None or host.count.shape != stats.count.shape:
+        if host is None or any(
+            host[name].shape != value.shape or host[name].dtype != value.dtype for name, value in tensors.items()
+        ):
             with torch.inference_mode(False):  # like the pool: buffers, not inference tensors
-                host = slot.stats_buffers[key] = type(stats)(**{
-                    f.name: torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                    for f in fields(stats) for value in [getattr(stats, f.name)]
-                })  # fmt: skip
-        for f in fields(stats):
-            self._copy_into(slot, getattr(host, f.name), getattr(stats, f.name))
-        return host
+                host = slot.stats_buffers[key] = {
+                    name: torch.empty(value.shape, dtype=value.dtype, pin_memory=True) for name, value in tensors.items()
+                }
+        for name, value in tensors.items():
+            self._copy_into(slot, host[name], value)
+        return replace(stats, **host)
 
     def _copy(self, slot: Slot, path: str, value: torch.Tensor) -> None:
         """A fresh device tensor (nothing in the forward touches it) into buffer ``path``."""

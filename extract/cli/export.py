@@ -10,56 +10,71 @@ input is one line and exit status 2. Needs ``datasets``: ``pip install 'extract[
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ExtractError
-from .base import Parser, command
+from ..names.options import option
+from .base import CommandLine, command, values
 
 FORMATS = ("saelens",)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="python -m extract.export",
-        description="Export a layer of a packed token store (extracted with --pack T) to another tool's format.",
+@dataclass(frozen=True)
+class ExportOptions:
+    """The flags of ``export``: which layer of which store, in which format, where."""
+
+    store: Path = field(metadata=option(positional=True, help="a complete token store extracted with --pack T"))
+    to: tuple[str, str] = field(
+        metadata=option(
+            nargs=2,
+            metavar=("FORMAT", "DIR"),
+            required=True,
+            help="saelens DIR: SAELens's activation cache (a datasets directory; cached_activations_path=DIR)",
+        )
     )
-    p.add_argument("store", type=Path, help="a complete token store extracted with --pack T")
-    p.add_argument(
-        "--to",
-        nargs=2,
-        metavar=("FORMAT", "DIR"),
-        required=True,
-        help="saelens DIR: SAELens's activation cache (a datasets directory; cached_activations_path=DIR)",
+    layer: str = field(metadata=option(required=True, help="the layer to export (one of the store's layers)"))
+    hook_name: str | None = field(
+        default=None, metadata=option(help="the column's name, SAELens's hook_name (default: the layer's name)")
     )
-    p.add_argument("--layer", required=True, help="the layer to export (one of the store's layers)")
-    p.add_argument("--hook-name", help="the column's name, SAELens's hook_name (default: the layer's name)")
-    p.add_argument("--dtype", choices=("float16", "float32"), help="the cached values' dtype (default: the store's)")
-    p.add_argument("--shard-contexts", type=int, metavar="N", help="contexts per arrow file (default: about 500 MB)")
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace DIR if it is a dataset (only once the new one is complete)"
+    dtype: str | None = field(
+        default=None,
+        metadata=option(choices=("float16", "float32"), help="the cached values' dtype (default: the store's)"),
     )
-    return p
+    shard_contexts: int | None = field(
+        default=None, metadata=option(metavar="N", help="contexts per arrow file (default: about 500 MB)")
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata=option(help="replace DIR if it is a dataset (only once the new one is complete)"),
+    )
+
+
+LINE = CommandLine(
+    "python -m extract.export",
+    "Export a layer of a packed token store (extracted with --pack T) to another tool's format.",
+    (ExportOptions,),
+)
 
 
 @command("extract.export")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    kind, out = args.to
+    options = values(LINE.parse_args(argv), ExportOptions)
+    kind, out = options.to
     if kind not in FORMATS:
         raise ExtractError(f"--to {kind}: the formats are {', '.join(FORMATS)} (see --help)")
     from ..analysis.export import export_saelens  # torch: after the arguments, not for --help
 
     cache = export_saelens(
-        args.store,
+        options.store,
         out,
-        args.layer,
-        hook_name=args.hook_name,
-        dtype=args.dtype,
-        shard_contexts=args.shard_contexts,
-        overwrite=args.overwrite,
+        options.layer,
+        hook_name=options.hook_name,
+        dtype=options.dtype,
+        shard_contexts=options.shard_contexts,
+        overwrite=options.overwrite,
         progress=True,
     )
-    print(cache.line(args.layer))
+    print(cache.line(options.layer))
     return 0

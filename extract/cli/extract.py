@@ -8,14 +8,15 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any
 
 from ..errors import ExtractError, WriterError
 from ..job.interrupt import Interrupted
 from ..job.launcher import is_first_rank, speaks_for_machine
-from ..job.spec import JobSpec, Option, check_types, job_options
+from ..job.spec import JobSpec, Option, check_types
 from ..store.location import described, from_object_storage
-from .base import Failure, Parser, command, say
+from . import base
+from .base import Argument, Failure, command, say
 
 # The flags that are no job option: where the options come from, and what to do instead of a job. Declared
 # as the job's are (``extract.job.spec.Option``), so that the flag reference renders them too.
@@ -34,41 +35,25 @@ LIST_LAYERS = Option(
 )
 
 
-def flags() -> list[tuple[str, Option, dict[str, Any]]]:
-    """Every flag of ``extract run`` in --help's order: (its dest, its declaration, argparse's keywords).
-
-    A job option's kind follows its ``JobSpec`` type. Every default is None, so that ``parse_spec`` can tell
-    a flag given from one left out (a TOML job file's value stands unless a flag overrides it)."""
-    hints = get_type_hints(JobSpec)
-    found = [("config", CONFIG, {"metavar": CONFIG.metavar})]
-    for f, declared in job_options():
-        kind, keywords = hints[f.name], {}
-        if kind is bool:  # a switch that turns the default over: --overwrite, --no-truncate
-            keywords["action"] = "store_false" if f.default else "store_true"
-        else:
-            if list in (get_origin(kind), *map(get_origin, get_args(kind))):
-                keywords["nargs"] = "+"  # --layers, --layout, --pool (one value, or one per layer)
-            if int in (kind, *get_args(kind)) or float in (kind, *get_args(kind)):
-                keywords["type"] = int if int in (kind, *get_args(kind)) else float
-            if declared.metavar is not None:
-                keywords["metavar"] = declared.metavar
-        found.append((f.name, declared, keywords))
-        if f.name == "layers":  # --list-layers is what to give when the layers' names are not known: beside it
-            found.append(("list_layers", LIST_LAYERS, {"action": "store_true"}))
+def declared() -> list[Argument]:
+    """Every flag of ``extract run`` in --help's order: ``--config``, then the job's options (``JobSpec``'s
+    fields), ``--list-layers`` beside ``--layers``. Every default is None, so that ``parse_spec`` can tell a
+    flag given from one left out (a TOML job file's value stands unless a flag overrides it)."""
+    found = [Argument("config", CONFIG, {"metavar": CONFIG.metavar})]
+    for argument in base.arguments(JobSpec, defaults=False):
+        found.append(argument)
+        if argument.dest == "layers":  # --list-layers is what to give when the layers' names are not known
+            found.append(Argument("list_layers", LIST_LAYERS, {"action": "store_true"}))
     return found
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="extract",
-        description="Capture layer activations of a PyTorch model over a dataset into a chunked zarr store.",
+    return base.make_parser(
+        "extract",
+        "Capture layer activations of a PyTorch model over a dataset into a chunked zarr store.",
+        declared(),
         epilog="Multi-process: accelerate launch [--multi_gpu --num_processes N] -m extract ...",
     )
-    for dest, declared, keywords in flags():
-        flag = declared.flag or "--" + dest.replace("_", "-")
-        default = {"default": None} if dest in JobSpec.field_names() else {}
-        p.add_argument(flag, dest=dest, help=declared.help_text(), **default, **keywords)
-    return p
 
 
 def _from_config(path: str) -> dict[str, Any]:

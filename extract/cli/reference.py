@@ -1,4 +1,5 @@
-"""The flag reference of ``extract run``, rendered from the options' declaration (``extract.job.spec``).
+"""The flag reference of every command, rendered from the options' declarations (``extract.job.spec``
+for ``extract run``, the dataclasses each command's module declares or imports for the others).
 
     python -m extract.cli.reference > docs/cli.md     # the reference page
 
@@ -8,13 +9,16 @@ reference cannot drift from the parser the way a hand-written table did.
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
-from .extract import flags
+from .base import Argument
+from .extract import declared as run_flags
+from .startup import COMMANDS
 
 HEADER = "| flag | meaning |\n| --- | --- |\n"
 REGENERATE = "python -m extract.cli.reference > docs/cli.md"
@@ -54,28 +58,49 @@ def _linked(text: str, pages: dict[str, str]) -> str:
     return _LINK.sub(link, text)
 
 
-def flag_table(pages: dict[str, str] | None = None) -> str:
-    """The markdown table of every flag of ``extract run``, in --help's order, each with its reference
-    text; its links lead to the docs pages that hold their anchors (``pages``: anchor -> page)."""
+def flag_table(pages: dict[str, str] | None = None, declared: Sequence[Argument] | None = None) -> str:
+    """The markdown table of a command's flags (``declared``; ``extract run``'s if None), in --help's order,
+    each with its reference text and declared default; its links lead to the docs pages that hold their
+    anchors (``pages``: anchor -> page)."""
     pages = _anchor_pages() if pages is None else pages
     rows = []
-    for dest, declared, keywords in flags():
-        cell = declared.flag or "--" + dest.replace("_", "-")
-        if keywords.get("metavar"):
-            cell += f" {keywords['metavar']}" + (" ..." if keywords.get("nargs") == "+" else "")
-        text = _linked(declared.reference_text(), pages)
+    for argument in run_flags() if declared is None else declared:
+        text = _linked(argument.reference(), pages)
         # a bare | would end the cell (markdown tables need it escaped, inside code spans too)
-        rows.append(f"| `{cell}` | {text.replace('|', chr(92) + '|')} |\n")
+        rows.append(f"| `{argument.cell()}` | {text.replace('|', chr(92) + '|')} |\n")
     return HEADER + "".join(rows)
 
 
+def command_flags() -> dict[str, list[Argument]]:
+    """Every command but ``run`` (and ``list-layers``, which is ``run --list-layers``) with its flags."""
+    found = {}
+    for name, (module, _) in COMMANDS.items():
+        if module != "extract":
+            found[name] = importlib.import_module(f"extract.cli.{module}").LINE.arguments()
+    return found
+
+
 def cli_page() -> str:
-    """docs/cli.md: a heading, how it is made, and the table."""
+    """docs/cli.md: a heading, how it is made, and a table per command."""
+    pages = _anchor_pages()
+    sections = [
+        f"## `extract {name}`\n\n{COMMANDS[name][1][0].upper()}{COMMANDS[name][1][1:]}. "
+        f"Also `python -m extract.{COMMANDS[name][0]}`.\n\n{flag_table(pages, declared)}"
+        for name, declared in command_flags().items()
+    ]
     return (
-        "# `extract run`: every flag\n\n"
-        "Generated from the job's options as declared in `extract/job/spec.py` (and `--config`, `--list-layers` "
-        f"in `extract/cli/extract.py`); do not edit it by hand, regenerate it: `{REGENERATE}`. A TOML job file "
-        "(`--config`) takes the same options, named with underscores (`batch_size = 32`).\n\n" + flag_table()
+        "# Every command's flags\n\n"
+        "Generated from the options as declared: `extract run`'s in `extract/job/spec.py` (and `--config`, "
+        "`--list-layers` in `extract/cli/extract.py`), the other commands' in the dataclasses their modules in "
+        "`extract/cli/` name (`extract/analysis/options.py`, `extract/store/verifying.py`); do not edit it by "
+        f"hand, regenerate it: `{REGENERATE}`. A flag is a dataclass field with `option(help=...)` in its "
+        "metadata (`extract/names/options.py`): its default is the field's, which `--help` and this page show; "
+        "a command is a module of `extract/cli/` with a `LINE` (`CommandLine`: its dataclasses) and a thin "
+        "`main()`, named in `COMMANDS` (`extract/cli/startup.py`).\n\n"
+        "## `extract run`\n\n"
+        "Extract a model's layers over a dataset into a store; `extract list-layers` is `extract run "
+        "--list-layers`. A TOML job file (`--config`) takes the same options, named with underscores "
+        "(`batch_size = 32`).\n\n" + flag_table(pages) + "\n" + "\n".join(sections)
     )
 
 

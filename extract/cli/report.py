@@ -7,62 +7,37 @@ Needs matplotlib: ``pip install 'extract[report]'``.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-# the defaults, not the machinery: --help loads no torch (``build_report`` is imported to run)
+# the declarations, not the machinery: --help loads no torch (``build_report`` is imported to run)
 from ..analysis.options import ReportConfig
-from .base import Parser, command, write_output
+from ..names.options import option
+from .base import CommandLine, command, values, write_output
 
-DEFAULTS = ReportConfig()
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """What ``report`` reads and writes, besides what the report shows (``ReportConfig``)."""
+
+    store: str = field(metadata=option(positional=True, help="a complete extract store"))
+    out: str = field(default="report.html", metadata=option(help="the HTML file to write"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The flags: the store, the output file, and one per ``ReportConfig`` field (same name, its default)."""
-    p = Parser(prog="python -m extract.report", description="An HTML report with figures about a store.")
-    p.add_argument("store", help="a complete extract store")
-    p.add_argument("--out", default="report.html", help="the HTML file to write (default report.html)")
-    p.add_argument("--layers", nargs="+", metavar="L", help="layers or globs (default: all)")
-    p.add_argument("--pca-layer", metavar="L", help="the layer of the PCA and neighbour figures (default: the deepest)")
-    p.add_argument(
-        "--probe-json",
-        nargs="+",
-        metavar="FILE",
-        default=DEFAULTS.probe_json,
-        help="accuracies from extract.probe --json instead of probing here",
-    )
-    p.add_argument(
-        "--max-samples",
-        type=int,
-        default=DEFAULTS.max_samples,
-        help="samples (drawn at random) the probes and CKA use (default 5000)",
-    )
-    p.add_argument(
-        "--pca-samples", type=int, default=DEFAULTS.pca_samples, help="samples in the PCA plot (default 2000)"
-    )
-    p.add_argument(
-        "--queries", type=int, default=DEFAULTS.queries, help="query samples with neighbour thumbnails (default 4)"
-    )
-    p.add_argument("--neighbours", type=int, default=DEFAULTS.neighbours, help="neighbours shown per query (default 6)")
-    p.add_argument(
-        "--k",
-        type=int,
-        default=DEFAULTS.k,
-        help=f"neighbours that vote in the k-NN probe (default {DEFAULTS.k}, as probe's)",
-    )
-    p.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of the samples drawn (default 0)")
-    p.add_argument("--device", help="cpu | cuda[:N] (default: a GPU if there is one)")
-    return p
+LINE = CommandLine(
+    "python -m extract.report",
+    "An HTML report with figures about a store.",
+    (ReportFiles, ReportConfig),
+)
 
 
 @command("extract.report")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    config = ReportConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ReportConfig)})
+    args = LINE.parse_args(argv)
+    files, config = values(args, ReportFiles), values(args, ReportConfig)
     from ..analysis.report import build_report
 
-    report = build_report(args.store, config)
-    write_output("--out", args.out, report.html())
-    print(f"{args.out}: {len(report.figures)} figures" + "".join(f"; {n}" for n in report.notes))
+    report = build_report(files.store, config)
+    write_output("--out", files.out, report.html())
+    print(f"{files.out}: {len(report.figures)} figures" + "".join(f"; {n}" for n in report.notes))
     return 0

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import Parser, command
+from ..names.options import option
+from .base import CommandLine, command, values
 
 
 def _latents(text: str) -> list[int]:
@@ -29,42 +31,55 @@ def _latents(text: str) -> list[int]:
     return chosen
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(
-        prog="python -m extract.top",
-        description="Each SAE latent's top activating tokens over a store's codes (--sae), with their contexts.",
+@dataclass(frozen=True)
+class TopOptions:
+    """The flags of ``top``: which latents of which layer, how many tokens with how much context, where."""
+
+    store: Path = field(metadata=option(positional=True, help="a complete token store extracted with --sae LAYER=PATH"))
+    layer: str = field(
+        metadata=option(required=True, help="the layer whose SAE codes to rank (one the store has codes of)")
     )
-    p.add_argument("store", type=Path, help="a complete token store extracted with --sae LAYER=PATH")
-    p.add_argument("--layer", required=True, help="the layer whose SAE codes to rank (one the store has codes of)")
-    p.add_argument("--latents", type=_latents, metavar="I,J,...", help="only these latents (default: every active one)")
-    p.add_argument("-k", "--k", type=int, default=20, help="top tokens per latent (default 20)")
-    p.add_argument("--context", type=int, default=16, help="tokens on each side of a top token (default 16)")
-    p.add_argument("--out", type=Path, default=Path("top"), help="the output directory (default ./top)")
-    p.add_argument(
-        "--html-latents",
-        type=_latents,
-        metavar="I,J,...",
-        help="the latents top.html shows (default: the 8 most frequent)",
+    latents: list[int] | None = field(
+        default=None,
+        metadata=option(parse=_latents, metavar="I,J,...", help="only these latents (default: every active one)"),
     )
-    p.add_argument("--tokenizer", help="decode with this tokenizer (name or directory; default: the store's own)")
-    return p
+    k: int = field(default=20, metadata=option(short="-k", help="top tokens per latent"))
+    context: int = field(default=16, metadata=option(help="tokens on each side of a top token"))
+    out: Path = field(default=Path("top"), metadata=option(help="the output directory"))
+    html_latents: list[int] | None = field(
+        default=None,
+        metadata=option(
+            parse=_latents, metavar="I,J,...", help="the latents top.html shows (default: the 8 most frequent)"
+        ),
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata=option(help="decode with this tokenizer (name or directory; default: the store's own)"),
+    )
+
+
+LINE = CommandLine(
+    "python -m extract.top",
+    "Each SAE latent's top activating tokens over a store's codes (--sae), with their contexts.",
+    (TopOptions,),
+)
 
 
 @command("extract.top")
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    options = values(LINE.parse_args(argv), TopOptions)
     from ..analysis.top_latents import top_latents  # torch: after the arguments, not for --help
     from ..read.features import open_features
 
     summary = top_latents(
-        open_features(args.store),
-        args.layer,
-        latents=args.latents,
-        k=args.k,
-        context=args.context,
-        out=args.out,
-        html_latents=args.html_latents,
-        tokenizer=args.tokenizer,
+        open_features(options.store),
+        options.layer,
+        latents=options.latents,
+        k=options.k,
+        context=options.context,
+        out=options.out,
+        html_latents=options.html_latents,
+        tokenizer=options.tokenizer,
     )
     print(summary.line())
     return 0

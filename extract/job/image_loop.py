@@ -87,7 +87,9 @@ def image_loop(
     device = stage.device
     workers = LoaderWorkerSignals()
     loader = _loader(stage, chunks, workers)
-    staging = HostStaging(stage.shapes, stage.batch_size, stage.dtype, device)
+    staging = HostStaging(
+        stage.shapes, stage.batch_size, stage.dtype, device, stats=store.stats_axes(), chunk_size=stage.plan.chunk_size
+    )
     threads = stage.writer_threads or default_writer_threads(device)
     writer = ChunkWriter(store, staging, stage.plan, stage.shapes, threads=threads)
     stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
@@ -148,6 +150,7 @@ def _forward(
             if not (valid.all() or stage.skip_bad_images):
                 return next(error for error in errors if error)
             slot = staging.acquire(writer.check)
+            staging.rows = indices.numpy()  # a GPU computes each chunk's statistics of the batch's rows
             stage.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=stage.memory_format))
             staging.seal(slot)
             writer.submit(slot, indices, labels, valid)

@@ -1,4 +1,5 @@
-"""The job: every option of a run, declared once with its flag, help, reference text, default and check,
+"""The job: every option of a run, declared once (``option(...)``, ``extract.names.options``, as every
+command's options are) with its flag, help, reference text, default and check,
 and validated in one place (the identity that ties a store to it is the store's schema:
 ``extract.store.schema``). The command line (``extract.cli.extract.build_parser``) and the flag reference
 (``extract.cli.reference``: docs/cli.md and the README's table) are derived from this declaration."""
@@ -7,13 +8,14 @@ from __future__ import annotations
 
 import math
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 from ..errors import ExtractError
 from ..names import COMPRESSORS, DECODES
+from ..names.options import Check, Option, declared_options, flag_of, option
 from ..store.location import Location, parse
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -41,42 +43,6 @@ OUTSIDE_IDENTITY = {
     # to the CPU would run other kernels; on GPUs each layer runs whole on one, as without the dispatch
     "device_map": "each layer runs whole on one GPU, with the kernels and shapes it has without the dispatch",
 }
-
-# A text, or a function making it: some help lists what registries hold, known only once their sources are
-# imported; resolving it when the parser is built keeps ``import extract`` from importing every source.
-Text = str | Callable[[], str]
-# A check of one option's value (never None): raises ExtractError naming the flag it is given.
-Check = Callable[[str, Any], None]
-
-
-@dataclass(frozen=True)
-class Option:
-    """How a job option appears on the command line and in the flag reference."""
-
-    help: Text  # --help's text
-    metavar: str | None = None  # --help's name for the value (argparse's default, the dest in capitals, if None)
-    flag: str | None = None  # the flag, when it is not --field-name (a boolean on by default: --no-NAME)
-    check: Check | None = None  # run by JobSpec.validate on a value that is not None
-    reference: Text | None = None  # the reference's longer text (markdown; README links as #anchor); help if None
-
-    def help_text(self) -> str:
-        return self.help if isinstance(self.help, str) else self.help()
-
-    def reference_text(self) -> str:
-        text = self.help if self.reference is None else self.reference
-        return text if isinstance(text, str) else text()
-
-
-def option(
-    *,
-    help: Text,
-    metavar: str | None = None,
-    flag: str | None = None,
-    check: Check | None = None,
-    reference: Text | None = None,
-) -> dict[str, Option]:
-    """A ``JobSpec`` field's metadata: ``field(default=..., metadata=option(help=...))``."""
-    return {"option": Option(help=help, metavar=metavar, flag=flag, check=check, reference=reference)}
 
 
 def _at_least_one(flag: str, value: int) -> None:
@@ -156,7 +122,7 @@ def _check_out(flag: str, out: str) -> None:
 def _model_help() -> str:
     from ..models.registry import model_kinds
 
-    return f"{model_kinds()} (default resnet50)"
+    return model_kinds()
 
 
 def _data_help() -> str:
@@ -171,7 +137,7 @@ def _pool_help() -> str:
     return (
         f"images: {' | '.join(POOL_CHOICES)}; text: none (a row per token), {' | '.join(TEXT_POOLS)} "
         f"(a row per document, over its real tokens) or {MODEL_POOL} (its sentence-transformers pooling and "
-        "normalization); default none (the full map, every token); for every layer or per layer: "
+        "normalization); none is the full map, every token; for every layer or per layer: "
         "--pool layer3=avg layer4=none (later entries override earlier ones)"
     )
 
@@ -215,8 +181,8 @@ class JobSpec:
         metadata=option(
             metavar="PATH",
             help="state_dict file loaded with weights_only=True",
-            reference="a `state_dict` loaded with `torch.load(weights_only=True)` (a `{\"state_dict\": ...}` / "
-            "`{\"model\": ...}` wrapper and a DDP `module.` prefix are accepted); missing or unexpected keys are "
+            reference='a `state_dict` loaded with `torch.load(weights_only=True)` (a `{"state_dict": ...}` / '
+            '`{"model": ...}` wrapper and a DDP `module.` prefix are accepted); missing or unexpected keys are '
             "an error. With a checkpoint nothing is downloaded; the named weights only choose the preprocessing",
         ),
     )
@@ -247,13 +213,13 @@ class JobSpec:
         metadata=option(
             metavar="PATH",
             check=_check_out,
-            help="the zarr store to write (default features.zarr)",
+            help="the zarr store to write",
             reference="the store (default `features.zarr`): a path, or an object-store URL",
         ),
     )
     batch_size: int = field(
         default=64,
-        metadata=option(check=_at_least_one, help="images per forward (default 64)"),
+        metadata=option(check=_at_least_one, help="images per forward"),
     )
     num_workers: int | None = field(
         default=None,
@@ -317,7 +283,7 @@ class JobSpec:
         metadata=option(
             metavar="K",
             check=_positive,
-            help="--sae: codes kept per token (default 64; a top-k SAE keeps its own k)",
+            help="--sae: codes kept per token; a top-k SAE keeps its own k",
         ),
     )
     sae_only: bool = field(
@@ -332,7 +298,7 @@ class JobSpec:
         default="float16",
         metadata=option(
             check=_one_of(DTYPES),
-            help=f"storage dtype: {' | '.join(DTYPES)} (default float16; a value float16 would store as inf "
+            help=f"storage dtype: {' | '.join(DTYPES)} (a value float16 would store as inf "
             "stops the job: use bfloat16); storage only: the model computes in --precision",
             reference="storage `float16` (default), `bfloat16` or `float32`. A value beyond float16's range "
             "(|x| from 65520, as the massive activations of large language models) stops the job in one line "
@@ -371,8 +337,10 @@ class JobSpec:
         default=None,
         metadata=option(
             check=_compressor,
-            help=lambda: f"{' | '.join(COMPRESSORS)} (default by the kind of store: {_default_compressors()}; "
-            "a resumed store keeps its own)",
+            help=lambda: (
+                f"{' | '.join(COMPRESSORS)} (default by the kind of store: {_default_compressors()}; "
+                "a resumed store keeps its own)"
+            ),
             reference="`zstd` (level 1), `blosc` (lz4, byte shuffle), `bitshuffle` (blosc lz4, bit shuffle), "
             "`none`; every object keeps its crc32c either way. Default by the kind of store: `zstd` for "
             "images, `none` for token and document stores (a text model's activations compress only 1.08x, "
@@ -401,7 +369,7 @@ class JobSpec:
     )
     seed: int = field(
         default=0,
-        metadata=option(check=_seed, help="seed for random init (--weights none; default 0)"),
+        metadata=option(check=_seed, help="seed for random init, with --weights none"),
     )
     channels_last: bool = field(
         default=False,
@@ -504,7 +472,7 @@ class JobSpec:
         default="pil",
         metadata=option(
             check=_one_of(DECODES),
-            help=f"{' | '.join(DECODES)}: PIL in full (default), PIL at a reduced JPEG scale covering the resize, "
+            help=f"{' | '.join(DECODES)}: PIL in full, PIL at a reduced JPEG scale covering the resize, "
             "or batched nvjpeg on the GPU",
             reference="`pil` (default): PIL decodes each image in full. `draft`: a JPEG is decoded at the "
             "smallest DCT scale (1/2, 1/4, 1/8) whose image still covers the transform's resize target, then "
@@ -528,7 +496,7 @@ class JobSpec:
         metadata=option(
             metavar="SECONDS",
             check=_timeout,
-            help="how long a process waits for the others at a barrier before failing (default 1800)",
+            help="how long a process waits for the others at a barrier before failing",
         ),
     )
 
@@ -541,7 +509,9 @@ class JobSpec:
             if declared.check is not None and value is not None:
                 declared.check(flag_of(f), value)
         if self.sae_only and not self.sae:
-            raise ExtractError("--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH")
+            raise ExtractError(
+                "--sae-only keeps only the codes of the --sae layers, but no --sae is given; add --sae LAYER=PATH"
+            )
         if self.tensor_parallel is not None and self.tensor_parallel > 1 and self.device_map is not None:
             raise ExtractError(
                 f"--tensor-parallel {self.tensor_parallel} splits the model over a group of processes, --device-map "
@@ -584,23 +554,15 @@ def batching(options: Mapping[str, Any], text: bool) -> dict[str, Any]:
     if text:
         tokens = options.get("tokens_per_batch") or options.get("batch_size", JobSpec.batch_size) * TOKENS_PER_SEQUENCE
         return {"tokens_per_batch": tokens}
-    return {"batch_size": options.get("batch_size", JobSpec.batch_size), "channels_last": bool(options.get("channels_last"))}
+    return {
+        "batch_size": options.get("batch_size", JobSpec.batch_size),
+        "channels_last": bool(options.get("channels_last")),
+    }
 
 
 def job_options() -> list[tuple[Field[Any], Option]]:
     """Every ``JobSpec`` field with its declaration, in field order (--help's and the reference's order)."""
-    declared = []
-    for f in fields(JobSpec):
-        if not isinstance(f.metadata.get("option"), Option):  # a field without a flag is a bug, not a choice
-            raise TypeError(f"JobSpec.{f.name} has no option(...) in its field metadata")
-        declared.append((f, f.metadata["option"]))
-    return declared
-
-
-def flag_of(f: Field[Any]) -> str:
-    """A field's flag: its own, or ``--`` and its name with dashes (the TOML key keeps the underscores)."""
-    declared: Option = f.metadata["option"]
-    return declared.flag or "--" + f.name.replace("_", "-")
+    return declared_options(JobSpec)
 
 
 def _fits(value: Any, expected: Any) -> bool:

@@ -255,7 +255,10 @@ def text_loop(
     most = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
     saes = stage.saes
     encoders = {} if saes is None else saes.encoders
-    staging = HostStaging(stage.shapes, most, stage.dtype, device, encoders=encoders)
+    staging = HostStaging(
+        stage.shapes, most, stage.dtype, device, encoders=encoders, stats=store.stats_axes(),
+        chunk_size=stage.plan.chunk_size,
+    )  # fmt: skip
     threads = stage.writer_threads or default_writer_threads(device)
     codes = None if saes is None else saes.codes()
     writer = ChunkWriter(store, staging, stage.plan, stage.shapes, threads=threads, codes=codes)
@@ -283,6 +286,7 @@ def text_loop(
                     continue
                 inputs = upload(layers, batch, device)
                 slot = staging.acquire(writer.check)
+                staging.rows = np.asarray(batch.rows, np.int64)  # a GPU computes each chunk's statistics
                 if encoders:  # each chunk's rows of the batch get statistics of their own
                     staging.segments = list(chunk_segments(np.asarray(batch.rows, np.int64), stage.plan.chunk_size))
                 stage.loaded.call(cap.forward, inputs)

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+from zarr.codecs import BloscCodec, ZstdCodec
 
 from ..errors import ExtractError
 from ..names import COMPRESSORS
+from .checksum import Crc32cCodec
 
 FORMAT = "extract-features"
 # 2: every object has a crc32c checksum; 3: a done chunk's objects' checksums are recorded in ``digests``,

@@ -176,6 +176,11 @@ class FeatureStore:
                 ]
         return None if self._stats_layers is None else list(self._stats_layers)
 
+    def stats_axes(self) -> dict[str, int | None]:
+        """Each layer with statistics and its rows' channel axis (None: each sample's flattened row), as a
+        device that computes them (``HostStaging``'s ``stats``) needs them."""
+        return {layer: self.array(f"{STATS}/{layer}").attrs.get("channel_axis") for layer in self.stats_layers() or []}
+
     def done_flags(self) -> np.ndarray:
         """``done`` as (K,) bool; a ``done`` object that fails its checksum counts as not done."""
         done = self.array("done")
@@ -203,11 +208,15 @@ class FeatureStore:
         valid: np.ndarray | None,
         columns: Mapping[str, np.ndarray] | None = None,
         codes: Mapping[str, latents.ChunkCodes] | None = None,
-    ) -> None:
+        partials: Mapping[str, stats.Partial] | None = None,
+    ) -> dict[str, int]:
         """Write one whole chunk of every array and its layers' statistics (``stats.py``), record its
         objects' digests, then mark it done: a crash before the mark redoes it. Text stores pass no
         labels or valid: theirs were written at creation; a token store passes its token rows'
-        ``columns`` (``token_ids``, ``special``...) and its ``--sae`` layers' ``codes`` (``latents.py``)."""
+        ``columns`` (``token_ids``, ``special``...) and its ``--sae`` layers' ``codes`` (``latents.py``).
+        ``partials``: statistics of blocks of a layer's rows computed on the device (the same bits; ``stats.py``).
+        Returns the ±inf values of each layer with statistics (which count them)."""
+        infinite = {}
         for name, values in (columns or {}).items():
             self.array(name)[start:stop] = values
         for layer, values in features.items():
@@ -215,7 +224,11 @@ class FeatureStore:
             array[start:stop] = values
             if layer in (self.stats_layers() or ()):  # of the values as stored: after the cast to its dtype
                 rows = self.array(f"{STATS}/{layer}")
-                rows[chunk] = stats.chunk_row(dtypes.as_stored(values, array), rows.attrs.get("channel_axis"))
+                stored = np.asarray(values, dtype=array.dtype)  # bfloat16: its bits, as given
+                partial = (partials or {}).get(layer)
+                row = stats.chunk_row(stored, rows.attrs.get("channel_axis"), dtypes.is_bfloat16(array), partial)
+                rows[chunk] = row
+                infinite[layer] = stats.infinite(row, stored)
         if labels is not None:
             self.array("labels")[start:stop] = labels
         if valid is not None:
@@ -226,6 +239,7 @@ class FeatureStore:
             digests = self.integrity.object_digests([chunk], rows.attrs["arrays"])[chunk]
             rows[chunk] = np.array([0 if d is None else d for d in digests], dtype=np.uint32)
         self.array("done")[chunk] = True
+        return infinite
 
     def stored_bytes(self) -> int:
         """The bytes under ``features/``: every layer's objects and metadata, and the group's own. (zarr's

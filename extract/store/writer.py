@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CastOverflowError, LockLostError, WriterError
 from ..names import Kind
-from . import dtypes, latents
+from . import dtypes, latents, stats
 from .chunks import Plan, chunk_segments
 from .location import described, from_object_storage
 from .store import FeatureStore
@@ -23,10 +23,13 @@ from .store import FeatureStore
 class Slot(Protocol):
     """One staged batch: a host buffer per layer (``extract.capture.staging.Slot`` is one) and, with
     ``--sae``, the statistics of its rows of each chunk per layer (objects with a ``numpy()``:
-    ``LatentStats``). The writer names only what it reads, so that the store imports nothing of capture."""
+    ``LatentStats``), and the statistics of whole blocks of each chunk's rows computed on the device
+    (``block_stats``: per layer, per chunk, objects with a ``numpy()``: ``BlockStats``). The writer names
+    only what it reads, so that the store imports nothing of capture."""
 
     buffers: dict[str, torch.Tensor]
     latent_stats: dict[str, dict[int, Any]]
+    block_stats: dict[str, dict[int, Any]]
 
 
 class Staging(Protocol):
@@ -42,6 +45,14 @@ class Staging(Protocol):
     def release(self, slot: Any) -> None: ...
 
 
+def _one_thread() -> None:
+    """Keep torch's work on this thread to itself (the statistics' conversions): its intra-op threads
+    would split a block between cores that the other writer threads and the forward already use, and
+    spin at every barrier (the writer's CPU per GB drops by a third). Per thread under OpenMP: the
+    forward's thread keeps its own setting."""
+    torch.set_num_threads(1)
+
+
 def _described(error: BaseException) -> str:
     """One line: obstore's errors carry a many-line dump of the request after their first line."""
     return described(error) if from_object_storage(error) else repr(error)
@@ -55,11 +66,18 @@ class _OpenChunk:
         shapes: Mapping[str, tuple[int, ...]],
         dtype: np.dtype,
         codes: Mapping[str, tuple[int, int, str]],
+        spare: dict[str, list[np.ndarray]],
     ) -> None:
         self.chunk = chunk
         self.start, self.stop = plan.bounds(chunk)
         rows = self.stop - self.start
-        self.features = {name: np.empty((rows, *shape), dtype=dtype) for name, shape in shapes.items()}
+        self.features = {}
+        for name, shape in shapes.items():
+            kept = spare.get(name)
+            if kept and len(kept[-1]) == rows:  # every chunk but the store's last has the plan's rows
+                self.features[name] = kept.pop()
+            else:
+                self.features[name] = np.empty((rows, *shape), dtype=dtype)
         self.codes = {
             layer: latents.ChunkCodes(
                 np.full((rows, k), -1, np.int32), np.zeros((rows, k), values_dtype), latents.empty_stats(d_sae)
@@ -70,6 +88,7 @@ class _OpenChunk:
         self.valid = np.zeros(rows, dtype=bool)
         self.filled = 0
         self.columns: dict[str, np.ndarray] | None = None  # a token chunk's token rows (``submit_columns``)
+        self.partials: dict[str, stats.Partial] = {}  # statistics of blocks computed on the device
 
     @property
     def full(self) -> bool:
@@ -116,8 +135,11 @@ class ChunkWriter:
         self.infinite: dict[str, int] = dict.fromkeys(self.shapes, 0)
         self._queue: queue.Queue[_Item | None] = queue.Queue(staging.num_slots)
         self._open: dict[int, _OpenChunk] = {}
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write")
-        self._inflight: deque[Future[None]] = deque()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="extract-write", initializer=_one_thread)
+        self._inflight: deque[tuple[Future[dict[str, int]], _OpenChunk]] = deque()
+        # the feature buffers of written chunks, filled again by the next ones: a fresh 16 MiB array per
+        # chunk and layer is faulted in page by page (kernel time, as much as writing it to the page cache)
+        self._spare: dict[str, list[np.ndarray]] = {name: [] for name in self.shapes}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="extract-writer", daemon=True)
         self._thread.start()
@@ -175,6 +197,7 @@ class ChunkWriter:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _run(self) -> None:
+        _one_thread()
         try:
             while (item := self._queue.get()) is not None:
                 if self._error is not None:
@@ -218,6 +241,7 @@ class ChunkWriter:
                     values[at] = dtypes.host_values(slot.buffers[name][first:end]) if slot is not None else nan
                 if slot is not None:
                     self._codes(open_chunk, slot, at, first, end)
+                    self._block_stats(open_chunk, slot)
                 open_chunk.labels[at] = labels[first:end]
                 open_chunk.valid[at] = valid[first:end]
                 open_chunk.filled += rows
@@ -234,9 +258,25 @@ class ChunkWriter:
             part.values[at] = slot.buffers[latents.values_path(layer)][first:end].numpy()
             part.stats = latents.merge(part.stats, slot.latent_stats[layer][open_chunk.chunk].numpy())
 
+    def _block_stats(self, open_chunk: _OpenChunk, slot: Slot) -> None:
+        """The blocks of this chunk whose statistics the device computed from the batch (``stats.Partial``)."""
+        for layer, parts in getattr(slot, "block_stats", {}).items():
+            part = parts.get(open_chunk.chunk)
+            if part is None:
+                continue
+            part = part.numpy()
+            features = part["sums"].shape[1]
+            positions = int(np.prod(self.shapes[layer])) // features
+            rows = (open_chunk.stop - open_chunk.start) * positions
+            partial = open_chunk.partials.get(layer)
+            if partial is None:
+                blocks = -(-rows // stats.BLOCK_ROWS)
+                partial = open_chunk.partials[layer] = stats.Partial(blocks, features)
+            partial.add(part)
+
     def _opened(self, chunk: int) -> _OpenChunk:
         if chunk not in self._open:
-            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype, self.codes)
+            self._open[chunk] = _OpenChunk(self.plan, chunk, self.shapes, self.dtype, self.codes, self._spare)
         return self._open[chunk]
 
     def _columns(self, chunk: int, columns: dict[str, np.ndarray]) -> None:
@@ -250,13 +290,17 @@ class ChunkWriter:
 
     def _write(self, chunk: _OpenChunk) -> None:
         invalid = ~chunk.valid
+        if invalid.any():  # their rows become NaN below, after the device saw them: the host recomputes all
+            chunk.partials.clear()
+        counted = set(self.store.stats_layers() or ())  # their statistics count the infinities
         for name, values in chunk.features.items():
             if invalid.any():  # rows of text stores are all valid here (empty documents come as NaN)
                 values[invalid] = dtypes.nan(values.dtype)
-            self.infinite[name] += dtypes.count_infinite(values)
+            if name not in counted:
+                self.infinite[name] += dtypes.count_infinite(values)
         while len(self._inflight) >= self.threads:
             self._finish(self._inflight.popleft())
-        self._inflight.append(
+        self._inflight.append((
             self._pool.submit(
                 self.store.write_chunk,
                 chunk.chunk,
@@ -267,9 +311,15 @@ class ChunkWriter:
                 None if self.rows_only else chunk.valid,
                 chunk.columns,
                 chunk.codes,
-            )  # fmt: skip
-        )
+                chunk.partials,
+            ),
+            chunk,
+        ))  # fmt: skip
 
-    def _finish(self, write: Future[None]) -> None:
-        write.result()
+    def _finish(self, written: tuple[Future[dict[str, int]], _OpenChunk]) -> None:
+        write, chunk = written
+        for name, infinite in write.result().items():
+            self.infinite[name] += infinite
         self.chunks_written += 1
+        for name, values in chunk.features.items():
+            self._spare[name].append(values)
