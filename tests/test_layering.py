@@ -14,18 +14,21 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "extract"
 
 # what each part of ``extract`` may import of the others (itself always). ``errors`` is every stage's:
-# the one module of error types. The order: names < store < read < analysis; names < capture;
-# data and models build on names and the store; job and cli put it all together.
+# the one module of error types, ``processes`` every stage's that runs under a launcher: the one object of
+# the job's processes (data/, models/ and the store type against it). The order: names < processes <
+# store < read < analysis; names < capture; data and models build on names and the store; job and cli
+# put it all together.
 ANYTHING = None
 ALLOWED: dict[str, set[str] | None] = {
     "errors": {"names"},  # only inside PoolShapeError, for the shape in its message (names imports errors)
     "names": {"errors"},
-    "store": {"names", "errors"},
+    "processes": {"names", "errors"},
+    "store": {"names", "errors", "processes"},
     "read": {"names", "errors", "store"},
     "analysis": {"names", "errors", "store", "read"},
     "capture": {"names", "errors"},
-    "data": {"names", "errors", "store"},
-    "models": {"names", "errors", "store"},
+    "data": {"names", "errors", "store", "processes"},
+    "models": {"names", "errors", "store", "processes"},
     "job": ANYTHING,
     "cli": ANYTHING,
     # the public API (lazy), ``python -m extract`` and the ``python -m extract.X`` shims over cli/
@@ -180,3 +183,27 @@ def test_no_two_modules_import_each_other_even_lazily():
                     seen.add(target)
                     stack.append((target, [*trail, target]))
     assert not cycles, cycles
+
+
+def test_below_the_runner_the_processes_are_one_object():
+    """accelerate's ``PartialState`` is built in ``job/dist.py`` and wrapped in ``extract.processes.Processes``;
+    every other module takes that object (its rank, world, mesh, barrier and broadcast), never the raw state."""
+    holders = sorted(
+        _module_name(path)
+        for path in MODULES
+        if _module_name(path) not in {"extract.job.dist", "extract.processes"}
+        and "PartialState" in path.read_text(encoding="utf-8")
+    )
+    assert not holders, holders
+
+
+def test_the_process_object_imports_no_stage_and_nothing_heavy_at_the_top():
+    """Low in the flow, and light: data/, models/ and the store import it for annotations."""
+    tree = ast.parse((PACKAGE / "processes.py").read_text(encoding="utf-8"))
+    top = {
+        alias.name.split(".")[0] if isinstance(node, ast.Import) else (node.module or "").split(".")[0]
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert top <= {"__future__", "dataclasses", "typing"}, top

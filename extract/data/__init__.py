@@ -23,8 +23,8 @@ from ..names import DECODES
 from .registry import DATA_KINDS, DataSource, open_source, resolve_spec
 
 if TYPE_CHECKING:
+    from ..processes import Processes
     from .decode import Transform
-    from .listing import Ranks
     from .source import DataOptions, Document, Source, TextSource
     from .synthetic import SyntheticImages
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 _LAZY = {
     "Decoding": "decode",
     "Transform": "decode",
-    "Ranks": "listing",
     "DataOptions": "source",
     "DataRequest": "source",
     "Document": "source",
@@ -69,7 +68,7 @@ def build_dataset(
     options: DataOptions | None = None,
     *,
     preprocessing: dict[str, Any] | None = None,
-    ranks: Ranks | None = None,
+    ranks: Processes | None = None,
     saved_index: bytes | None = None,
     recorded: str | None = None,
 ) -> Source | TextSource:
@@ -89,7 +88,7 @@ def open_dataset(
     spec: str,
     options: DataOptions | None = None,
     *,
-    ranks: Ranks | None = None,
+    ranks: Processes | None = None,
     saved_index: bytes | None = None,
     recorded: str | None = None,
 ) -> Source | TextSource:

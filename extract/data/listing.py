@@ -1,28 +1,25 @@
 """Listing a data set once per job, not once per rank: made by rank 0 and broadcast, or split across
 ranks and gathered. A failure on any rank reaches every rank as the same ``ExtractError``, so no
-rank is left waiting at a collective."""
+rank is left waiting at a collective. The work splits over every process of the job (``Processes``'
+``process_index`` of ``num_processes``), tensor-parallel or not."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.distributed as dist
 
 from ..errors import ExtractError
 
+if TYPE_CHECKING:
+    from ..processes import Processes
+
 T = TypeVar("T")
 A = TypeVar("A")
 
 
-class Ranks(Protocol):
-    """What of accelerate's ``PartialState`` the listing needs."""
-
-    process_index: int
-    num_processes: int
-
-
-def _distributed(ranks: Ranks | None) -> bool:
+def _distributed(ranks: Processes | None) -> bool:
     return ranks is not None and ranks.num_processes > 1 and dist.is_available() and dist.is_initialized()
 
 
@@ -46,7 +43,7 @@ def _settle(outcome: tuple[str, Any], here: bool) -> Any:
     return value
 
 
-def on_one_rank(ranks: Ranks | None, make: Callable[[], T]) -> T:
+def on_one_rank(ranks: Processes | None, make: Callable[[], T]) -> T:
     """``make()`` on rank 0 only; every rank gets its result (or its error)."""
     if not _distributed(ranks):
         return make()
@@ -55,7 +52,7 @@ def on_one_rank(ranks: Ranks | None, make: Callable[[], T]) -> T:
     return _settle(box[0], ranks.process_index == 0)  # type: ignore[union-attr]
 
 
-def split_across_ranks(ranks: Ranks | None, items: Sequence[A], work: Callable[[A], T]) -> list[T]:
+def split_across_ranks(ranks: Processes | None, items: Sequence[A], work: Callable[[A], T]) -> list[T]:
     """``[work(item) for item in items]``, each rank doing every world-size-th item; all ranks get
     the whole list, in the order of ``items``."""
     if not _distributed(ranks):

@@ -17,12 +17,15 @@ import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ExtractError
 from .decode import RawImage
-from .listing import Ranks, split_across_ranks
+from .listing import split_across_ranks
 from .source import DataRequest, Source, listing_hash, parse_label, utf8_name
+
+if TYPE_CHECKING:
+    from ..processes import Processes
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 INDEX_FORMAT = "extract-wds-index/1"
@@ -135,7 +138,7 @@ class ShardIndex:
         return cls(data["shards"], data["samples"], data["keys"])
 
 
-def build_index(paths: list[Path], image_key: str | None, label_key: str | None, ranks: Ranks | None) -> ShardIndex:
+def build_index(paths: list[Path], image_key: str | None, label_key: str | None, ranks: Processes | None) -> ShardIndex:
     per_shard = split_across_ranks(ranks, paths, index_shard)
     index = ShardIndex([str(p) for p in paths])
     label_extension = (label_key or "cls").lower()

@@ -15,14 +15,16 @@ import tarfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
 from .decode import Decoding, RawImage
-from .listing import Ranks
+
+if TYPE_CHECKING:
+    from ..processes import Processes
 
 # What a bad sample raises while being read or decoded: the run stops naming it, or records it invalid.
 BAD_SAMPLE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError, tarfile.TarError)
@@ -224,5 +226,5 @@ class DataRequest:
 
     spec: str
     options: DataOptions
-    ranks: Ranks | None = None
+    ranks: Processes | None = None
     saved_index: bytes | None = None

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import ExtractError
-from .listing import Ranks, on_one_rank, split_across_ranks
+from .listing import on_one_rank, split_across_ranks
 from .source import (
     LABEL_RANGE,
     DataOptions,
@@ -49,6 +49,8 @@ from .source import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from ..processes import Processes
 
 EXTENSIONS = {".jsonl.gz": "jsonl.gz", ".jsonl": "jsonl", ".txt": "txt", ".parquet": "parquet"}
 KNOWN = ".jsonl (or .jsonl.gz), .txt or .parquet"
@@ -418,7 +420,7 @@ def _classes(files: list[TextFile], label_key: str | None) -> list[str] | None:
     return named[0].names
 
 
-def list_text(pattern: str, options: DataOptions, ranks: Ranks | None = None) -> TextListing:
+def list_text(pattern: str, options: DataOptions, ranks: Processes | None = None) -> TextListing:
     """The corpus ``pattern`` matches: globbed on one rank, each file counted and hashed by one rank."""
     root, files = on_one_rank(ranks, lambda: _matched(pattern))
     text_key, label_key = options.text_key, options.label_key

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from ..errors import ExtractError
 from ..names import PackInfo
 from ..store.chunks import share
 from .source import Document, TextSource
+
+if TYPE_CHECKING:
+    from ..processes import Processes
 
 BATCH_DOCUMENTS = 256  # documents per call of the batch encoder
 
@@ -139,10 +142,12 @@ def encoded_documents(
         at += len(batch)
 
 
-def survey(source: TextSource, model: Encoder, context_length: int, state: Any, packing: PackInfo | None) -> Corpus:
+def survey(
+    source: TextSource, model: Encoder, context_length: int, processes: Processes, packing: PackInfo | None
+) -> Corpus:
     """Every document's length, label and validity: rank r tokenizes its contiguous share, and only
     those few bytes per document are gathered, on every rank (each plans from them alone)."""
-    start, stop = share(len(source), state.process_index, state.num_processes)
+    start, stop = share(len(source), processes.process_index, processes.num_processes)
     count = stop - start
     lengths = np.zeros(count, dtype=np.int32)
     labels = np.full(count, -1, dtype=np.int32)
@@ -156,12 +161,7 @@ def survey(source: TextSource, model: Encoder, context_length: int, state: Any, 
             truncated += encoded.dropped > 0
             dropped += encoded.dropped
     part = {"lengths": lengths, "labels": labels, "valid": valid, "truncated": truncated, "dropped": dropped}
-    if state.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        parts = gather_object([part])
-    else:
-        parts = [part]
+    parts = processes.gather(part) if processes.num_processes > 1 else [part]
     return Corpus(
         lengths=np.concatenate([p["lengths"] for p in parts]),
         labels=np.concatenate([p["labels"] for p in parts]),

@@ -1,18 +1,20 @@
-"""The process group, from accelerate: one object for rank, world size, device and barriers."""
+"""The job's processes, started: accelerate's state (``process_state``) and the mesh over it (``job_mesh``),
+as the one object everything below the runner takes (``extract.processes.Processes``)."""
 
 from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 from accelerate import PartialState
 from accelerate.utils import InitProcessGroupKwargs
 
 from ..errors import ExtractError, ProcessGroupError
+from ..processes import Mesh, Processes, TensorMeshes
+
+__all__ = ["Mesh", "Processes", "job_mesh", "process_state", "start_processes"]
 
 
 def process_state(timeout: float = 1800.0) -> PartialState:
@@ -57,54 +59,6 @@ def _not_connected(error: BaseException) -> ProcessGroupError:
     )
 
 
-@dataclass(frozen=True)
-class Mesh:
-    """The job's processes as data parallel × tensor parallel: W processes in ``data_world`` groups of
-    ``tensor_parallel`` consecutive ranks. A group is one data rank: the plan, the writer and the store see
-    ``data_rank`` and ``data_world``, never the raw rank. ``group`` is the group's process group (None
-    without tensor parallelism); ``meshes`` are the device meshes transformers loads the model over."""
-
-    data_rank: int
-    data_world: int
-    tensor_rank: int = 0
-    tensor_parallel: int = 1
-    group: Any = None
-    meshes: Any = None  # models.hf_text.TensorMeshes: the dense and the expert mesh
-    stop_group: Any = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # The stop flag travels over a group that serves CPU tensors: on GPUs ``group`` is NCCL's, whose
-        # backend map has no CPU device (a CPU tensor there is "No backend type associated with device type
-        # cpu"), and a flag on the GPU would make every batch's ``.item()`` wait for the forwards queued
-        # before it. So a gloo twin of the group, made by its own ranks alone (use_local_synchronization:
-        # every group builds its mesh at the same point, but need not wait for the others).
-        if self.group is None:
-            return
-        stop = self.group
-        if torch.device("cpu") not in self.group._device_types:
-            ranks = torch.distributed.get_process_group_ranks(self.group)
-            stop = torch.distributed.new_group(ranks, backend="gloo", use_local_synchronization=True)
-        object.__setattr__(self, "stop_group", stop)
-
-    @property
-    def writes(self) -> bool:
-        """One rank of each group stages and writes; the others run the forward and write nothing."""
-        return self.tensor_rank == 0
-
-    def record(self) -> dict[str, int]:
-        return {"data_parallel": self.data_world, "tensor_parallel": self.tensor_parallel}
-
-    def agree_to_stop(self, signum: int | None) -> int | None:
-        """The signal that stops this rank's group now, if any rank of it has one (``signum`` is this
-        rank's): its ranks run each forward together, so one that stopped alone would leave the others
-        waiting in the forward's collectives."""
-        if self.group is None:
-            return signum
-        flag = torch.tensor([signum or 0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.stop_group)
-        return int(flag.item()) or None
-
-
 def job_mesh(state: PartialState, tensor_parallel: int | None) -> Mesh:
     """The mesh of ``--tensor-parallel N`` over this launch, refused in one line where N does not divide the
     processes of each node (a group never spans nodes: its collectives run on every layer)."""
@@ -120,8 +74,6 @@ def job_mesh(state: PartialState, tensor_parallel: int | None) -> Mesh:
         )
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..models.hf_text import TensorMeshes
-
     device = state.device.type
     data = world // size
     # transformers' own mesh names: its loader shards over "tp", and "dp_replicate" is data parallel; an MoE
@@ -132,3 +84,9 @@ def job_mesh(state: PartialState, tensor_parallel: int | None) -> Mesh:
     return Mesh(
         rank // size, data, tensor.get_local_rank(), size, tensor.get_group(), TensorMeshes(dense, expert, size)
     )
+
+
+def start_processes(timeout: float, tensor_parallel: int | None) -> Processes:
+    """This launch's processes, with the mesh of ``--tensor-parallel`` (refused where it does not fit)."""
+    state = process_state(timeout)
+    return Processes(state, job_mesh(state, tensor_parallel))

@@ -3,17 +3,25 @@ the writer. A chunk's batches never take another chunk's samples (``ChunkBatchSa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from ..capture.hooks import Capture, Edit
+from ..capture.setup import LayerSetup
 from ..capture.staging import HostStaging
-from ..data.gpu_decode import collate_encoded
+from ..data.gpu_decode import GpuDecoder, collate_encoded
+from ..data.source import Source
 from ..errors import ExtractError
+from ..models import LoadedModel
+from ..names.layers import LayerRef
+from ..store.chunks import Plan
 from ..store.store import FeatureStore
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, LoaderWorkerSignals, StopRequests
@@ -21,20 +29,47 @@ from .plan import ChunkBatchSampler
 from .resources import default_workers, default_writer_threads, warn_infinite
 
 
-def _loader(job: Any, chunks: list[int], workers: LoaderWorkerSignals) -> DataLoader:
-    spec, device = job.spec, job.state.device
+@dataclass(frozen=True)
+class ImageStage:
+    """What the image loop reads, and nothing more: the runner builds it from the job it prepared.
+
+    The model (``loaded``, its ``module`` on ``device`` with the layers ``refs`` set up as ``layers``,
+    run under ``autocast`` on inputs in ``memory_format``), the data (``dataset``, decoded on the device by
+    ``gpu_decoder`` under ``--decode nvjpeg``), the ``plan`` and the ``shapes`` stored per layer, and the
+    options of the job's spec the loop acts on."""
+
+    loaded: LoadedModel
+    module: nn.Module
+    refs: Sequence[LayerRef]
+    layers: LayerSetup
+    autocast: AbstractContextManager[Any]
+    memory_format: torch.memory_format
+    device: torch.device
+    dataset: Source
+    gpu_decoder: GpuDecoder | None
+    plan: Plan
+    shapes: Mapping[str, tuple[int, ...]]
+    dtype: torch.dtype  # the storage dtype (--dtype)
+    batch_size: int
+    num_workers: int | None  # None: default_workers()
+    writer_threads: int | None  # None: default_writer_threads(device)
+    truncate: bool  # the forward stops after the last requested layer
+    skip_bad_images: bool
+
+
+def _loader(stage: ImageStage, chunks: list[int], workers: LoaderWorkerSignals) -> DataLoader:
     return DataLoader(
-        job.data.dataset,
-        batch_sampler=ChunkBatchSampler(job.plan, chunks, spec.batch_size),
-        num_workers=spec.num_workers if spec.num_workers is not None else default_workers(),
-        pin_memory=device.type == "cuda",
-        collate_fn=collate_encoded if job.data.gpu_decoder is not None else None,
+        stage.dataset,
+        batch_sampler=ChunkBatchSampler(stage.plan, chunks, stage.batch_size),
+        num_workers=stage.num_workers if stage.num_workers is not None else default_workers(),
+        pin_memory=stage.device.type == "cuda",
+        collate_fn=collate_encoded if stage.gpu_decoder is not None else None,
         worker_init_fn=workers,
     )
 
 
 def image_loop(
-    job: Any,
+    stage: ImageStage,
     store: FeatureStore,
     chunks: list[int],
     edit: Mapping[str, Edit] | None,
@@ -49,26 +84,25 @@ def image_loop(
     Raises ``Interrupted`` after a signal, and ``ExtractError`` naming an undecodable image, each
     after writing the chunks already complete.
     """
-    spec, device = job.spec, job.state.device
+    device = stage.device
     workers = LoaderWorkerSignals()
-    loader = _loader(job, chunks, workers)
+    loader = _loader(stage, chunks, workers)
     staging = HostStaging(
-        job.shapes, spec.batch_size, getattr(torch, spec.dtype), device, stats=store.stats_axes(),
-        chunk_size=job.plan.chunk_size,
-    )  # fmt: skip
-    threads = spec.writer_threads or default_writer_threads(device)
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads)
+        stage.shapes, stage.batch_size, stage.dtype, device, stats=store.stats_axes(), chunk_size=stage.plan.chunk_size
+    )
+    threads = stage.writer_threads or default_writer_threads(device)
+    writer = ChunkWriter(store, staging, stage.plan, stage.shapes, threads=threads)
     stop.defer()  # from here a signal ends the loop after the batch, and what is done is written
     try:
         with (
             Capture(
-                job.model.module, job.model.refs, reduce=job.model.layers.reduce, stop=spec.truncate, edit=edit,
+                stage.module, stage.refs, reduce=stage.layers.reduce, stop=stage.truncate, edit=edit,
                 sink=staging.stage,
             ) as cap,
             torch.inference_mode(),
-            job.model.autocast,
+            stage.autocast,
         ):  # fmt: skip
-            bad_image = _forward(job, loader, cap, staging, writer, stop, forwarded, held)
+            bad_image = _forward(stage, loader, cap, staging, writer, stop, forwarded, held)
         writer.close(complete=stop.signum is None and bad_image is None)
     except BaseException:
         writer.abort()
@@ -86,7 +120,7 @@ def image_loop(
 
 
 def _forward(
-    job: Any,
+    stage: ImageStage,
     loader: DataLoader,
     cap: Capture,
     staging: HostStaging,
@@ -97,7 +131,7 @@ def _forward(
 ) -> str | None:
     """Every batch through the model into the writer, until the data ends or a signal arrives; the
     first undecodable image stops it (returned) unless ``--skip-bad-images``."""
-    device, model, decoder = job.state.device, job.model, job.data.gpu_decoder
+    device, decoder = stage.device, stage.gpu_decoder
     batches = iter(loader)
     try:
         while stop.signum is None:
@@ -113,11 +147,11 @@ def _forward(
             if decoder is not None:  # --decode nvjpeg: the workers sent JPEG bytes
                 images, errors = decoder(images, indices, errors)
             valid = np.array([not error for error in errors])
-            if not (valid.all() or job.spec.skip_bad_images):
+            if not (valid.all() or stage.skip_bad_images):
                 return next(error for error in errors if error)
             slot = staging.acquire(writer.check)
             staging.rows = indices.numpy()  # a GPU computes each chunk's statistics of the batch's rows
-            model.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=model.memory_format))
+            stage.loaded.call(cap.forward, images.to(device, non_blocking=True, memory_format=stage.memory_format))
             staging.seal(slot)
             writer.submit(slot, indices, labels, valid)
             forwarded(len(indices))

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from accelerate import PartialState
-from accelerate.utils import gather_object
 from torch import nn
 
 from ..capture.hooks import Edit
@@ -38,17 +36,18 @@ from ..data.gpu_decode import GpuDecoder
 from ..data.text import TextSource
 from ..errors import ExtractError, InvalidRequestError
 from ..models import LoadedModel, build_model, check_tensor_parallel, library_versions
-from ..models.hf_text import input_device
-from ..names import Action, Kind
+from ..models.hf_text import TextModel, input_device
+from ..names import Action, Kind, ModelKind
 from ..names.layers import LayerRef
+from ..processes import Mesh, Processes
 from ..store.chunks import Plan
 from ..store.indexes import saved_index
 from ..store.life import StoreLife
 from ..store.location import Location
 from ..store.schema import JobParts
 from ..store.store import FeatureStore
-from .dist import Mesh, job_mesh, process_state
-from .image_loop import image_loop
+from .dist import start_processes
+from .image_loop import ImageStage, image_loop
 from .interrupt import PeerStopped, StopRequests
 from .launcher import watch_launcher
 from .memory import keep_freed_memory
@@ -57,7 +56,7 @@ from .progress import JobProgress
 from .routing import setup_routing, with_routing
 from .saes import JobSaes, setup_saes
 from .spec import JobSpec, batching
-from .text_stage import TextJob, prepare_text, text_loop
+from .text_stage import TextJob, TextStage, prepare_text, text_loop
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Log = Callable[[str], None]
@@ -125,7 +124,7 @@ class Summary:
         return f" with {self.compressor}, {self.compression_ratio:.2f}x less than the features' size in memory"
 
 
-def _autocast(device: torch.device, precision: str) -> Any:
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=AUTOCAST[precision])
@@ -141,7 +140,7 @@ def print_layers(spec: JobSpec, out: Log = print) -> None:
         model, lambda x: loaded.call(model, x), loaded.example(2), loaded.example(2, scale=2),
         loaded.aliases, loaded.layout_hints,
     )  # fmt: skip
-    if loaded.kind == "text":
+    if loaded.kind is ModelKind.TEXT:
         tokens = loaded.example(1)["input_ids"].shape[1]
         shown = f"a batch of B sequences of T tokens (T = {tokens} here)"
         out(f"# {spec.model}: output shapes for {shown}; layout where 3-D or 4-D")
@@ -165,7 +164,7 @@ class _Model:
     layers: LayerSetup
     preprocessing: dict[str, Any]  # the record of the model's own transform
     precision: str
-    autocast: Any
+    autocast: contextlib.AbstractContextManager[Any]
     memory_format: torch.memory_format
     saes: JobSaes | None = None  # --sae: the SAE of each layer given one
 
@@ -184,13 +183,12 @@ class _Job:
     """What every rank has agreed on before the loop starts: the stages' results and the store's attributes."""
 
     spec: JobSpec
-    state: PartialState
+    processes: Processes  # this process among the job's: its data rank, whether it writes
     model: _Model
     data: _Data
     plan: Plan
     attrs: dict[str, Any]
     text: TextJob | None = None
-    mesh: Mesh = field(default_factory=lambda: Mesh(0, 1))  # data parallel × tensor parallel: the data rank
 
     @property
     def kind(self) -> Kind:
@@ -212,36 +210,38 @@ class _Job:
         return raw + (self.model.saes.row_bytes() if self.model.saes is not None else 0)
 
 
-def _prepare(spec: JobSpec, state: PartialState, mesh: Mesh, existing: Mapping[str, Any] | None) -> _Job:
+def _prepare(spec: JobSpec, processes: Processes, existing: Mapping[str, Any] | None) -> _Job:
     """Model, data, layers and plan: everything that can be refused is checked here, before writing."""
-    _check_device_map(spec, state)
+    mesh = processes.mesh
+    _check_device_map(spec)
     # the data is listed before the model is built: a bad file or label is said in seconds, not after
     # the weights have loaded (the model's transform is given to the images afterwards)
-    data = _data(spec, state, existing)
-    loaded, precision = _load_model(spec, state.device, mesh)
+    data = _data(spec, processes, existing)
+    loaded, precision = _load_model(spec, processes.device, mesh)
     # a wrong name (or an alias this model has no tensor for): refused before the forward
     refs = resolve_layers(loaded.model, spec.layers, loaded.aliases, loaded.absent_aliases, loaded.alias_failure)
     check_moe_layers(loaded.model, refs)  # an expert's own output has no row per token
     # the kinds before the layers are run: text for a vision model (or images for a text one) is refused as
     # that, not as whatever the example forward of a layer chosen for the other kind returns
-    _attach_model(spec, state, data, loaded)
-    model = _set_up_layers(spec, state.device, loaded, refs, precision, mesh)
+    _attach_model(spec, processes, data, loaded)
+    model = _set_up_layers(spec, processes.device, loaded, refs, precision, mesh)
     routing = setup_routing(loaded.model, refs, model.layers)
-    saes = setup_saes(spec.sae, spec.sae_k, spec.sae_only, refs, model.layers, loaded.aliases, state.device)
+    saes = setup_saes(spec.sae, spec.sae_k, spec.sae_only, refs, model.layers, loaded.aliases, processes.device)
     model.saes = with_routing(saes, routing)
     text = None
     if isinstance(data.dataset, TextSource):
         assert isinstance(model.layers, TextLayerSetup)
-        text = prepare_text(spec, state, existing, model.loaded, model.layers, data.dataset, data.notes)
+        assert isinstance(model.loaded, TextModel)
+        text = prepare_text(spec, processes, existing, model.loaded, model.layers, data.dataset, data.notes)
     # the default depends on the kind of store, known from here; the identity and the store get the name
     spec = dataclasses.replace(spec, compressor=spec.store_compressor(text.kind if text else Kind.IMAGES, existing))
     rows = len(data.dataset) if text is None else text.rows
     plan = _plan(spec, mesh, existing, rows, model.layers.shapes, tokens=text is not None and text.per_token)
     attrs = _schema(spec, model, data, plan, text, mesh).attributes()
-    return _Job(spec, state, model, data, plan, attrs, text, mesh)
+    return _Job(spec, processes, model, data, plan, attrs, text)
 
 
-def _check_device_map(spec: JobSpec, state: PartialState) -> None:
+def _check_device_map(spec: JobSpec) -> None:
     """``--device-map auto`` gives one process every GPU of its node: a second process on the node would
     place a second copy on the same GPUs."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -260,11 +260,11 @@ def _load_model(spec: JobSpec, device: torch.device, mesh: Mesh) -> tuple[Loaded
         spec.model, spec.weights, spec.checkpoint, spec.seed, spec.image_size, precision=precision,
         device_map=spec.device_map, tensor_parallel=mesh.meshes,
     )  # fmt: skip
-    if spec.device_map is not None and loaded.kind != "text":
+    if spec.device_map is not None and loaded.kind is not ModelKind.TEXT:
         raise InvalidRequestError(
             f"--device-map applies to hf: text models; --model {spec.model} is not one (drop --device-map)"
         )
-    if mesh.tensor_parallel > 1 and loaded.kind != "text":
+    if mesh.tensor_parallel > 1 and loaded.kind is not ModelKind.TEXT:
         raise InvalidRequestError(
             f"--tensor-parallel applies to hf: text models (transformers' own plans); --model {spec.model} is not "
             "one (drop --tensor-parallel: each process holds the whole model)"
@@ -276,7 +276,7 @@ def _set_up_layers(
     spec: JobSpec, device: torch.device, loaded: LoadedModel, refs: list[LayerRef], precision: str, mesh: Mesh
 ) -> _Model:
     """The model on its device, with the layers ``refs`` set up by an example forward."""
-    if loaded.kind == "text":  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
+    if loaded.kind is ModelKind.TEXT:  # its weights are loaded in the precision's dtype: no autocast over fp32 weights
         autocast = contextlib.nullcontext()
         # a dispatched model stays where accelerate put it, a tensor-parallel one where its plan put its
         # shards; it takes its inputs on its embeddings' device
@@ -300,14 +300,14 @@ def _set_up_layers(
     return _Model(loaded, module, refs, layers, loaded.preprocessing, precision, autocast, memory_format)
 
 
-def _data(spec: JobSpec, state: PartialState, existing: Mapping[str, Any] | None) -> _Data:
+def _data(spec: JobSpec, processes: Processes, existing: Mapping[str, Any] | None) -> _Data:
     """The data source, listed once (or read from the index kept with the store being resumed)."""
     options = _data_options(spec)
     identity = (existing or {}).get("identity")
     reuse = not spec.overwrite and reuses_index(identity, spec.data, options)
     index = saved_index(spec.location, SAVED_INDEX, legacy=LEGACY_SAVED_INDEX) if reuse else None
     recorded = identity.get("data") if identity and not spec.overwrite else None
-    dataset = open_dataset(spec.data, options, ranks=state, saved_index=index, recorded=recorded)
+    dataset = open_dataset(spec.data, options, ranks=processes, saved_index=index, recorded=recorded)
     data = _Data(dataset)
     if index is not None:
         data.notes.append(f"extract: using the shard index kept in {spec.out} (no rescan)")
@@ -321,7 +321,7 @@ def _data_options(spec: JobSpec) -> DataOptions:
     )  # fmt: skip
 
 
-def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: LoadedModel) -> None:
+def _attach_model(spec: JobSpec, processes: Processes, data: _Data, loaded: LoadedModel) -> None:
     """The data meets the model: the kinds must agree, and images get the model's own transform."""
     side = max(loaded.input_size)
     _check_kinds(spec, loaded.kind, isinstance(data.dataset, TextSource))
@@ -329,7 +329,7 @@ def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: Loade
         data.dataset, loaded.preprocess, side, _data_options(spec), preprocessing=loaded.preprocessing
     )
     if spec.decode == "nvjpeg":
-        device = state.device
+        device = processes.device
         # the model's (H, W): a bad image's placeholder must stack with the others
         data.gpu_decoder = GpuDecoder(
             dataset.decoding, loaded.preprocessing, device, loaded.input_size, dataset.describe
@@ -339,14 +339,14 @@ def _attach_model(spec: JobSpec, state: PartialState, data: _Data, loaded: Loade
         )
 
 
-def _check_kinds(spec: JobSpec, model_kind: str, text_data: bool) -> None:
+def _check_kinds(spec: JobSpec, model_kind: ModelKind, text_data: bool) -> None:
     """A text model needs text and a vision model images: said before anything is tokenized or written."""
-    if model_kind == "text" and not text_data:
+    if model_kind is ModelKind.TEXT and not text_data:
         raise InvalidRequestError(
             f"--model {spec.model} is a text model, but --data {spec.data} holds images; "
             "give it text (text:GLOB of .jsonl, .txt or .parquet, or an hf: dataset with a text column)"
         )
-    if model_kind != "text" and text_data:
+    if model_kind is not ModelKind.TEXT and text_data:
         raise InvalidRequestError(
             f"--data {spec.data} holds text, but --model {spec.model} is a vision model; "
             "use a text model (hf:DIR with a tokenizer) or image data"
@@ -410,23 +410,23 @@ def run(spec: JobSpec, *, edit: Mapping[str, Edit] | None = None, log: Log | Non
     spec.validate()
     with StopRequests() as stop:  # before the slow start-up: a signal from here on stops cleanly
         watch_launcher()
-        state = process_state(spec.timeout)
-        mesh = job_mesh(state, spec.tensor_parallel)  # a --tensor-parallel that does not fit: before the lock
-        if mesh.tensor_parallel > 1:
-            _check_tensor_parallel(spec, state, mesh)
-        if state.device.type == "cpu":  # before the model and data allocate anything
+        # a --tensor-parallel that does not fit: refused before the lock
+        processes = start_processes(spec.timeout, spec.tensor_parallel)
+        if processes.tensor_parallel > 1:
+            _check_tensor_parallel(spec, processes)
+        if processes.device.type == "cpu":  # before the model and data allocate anything
             keep_freed_memory()
-        with StoreLife(spec.location, state, log) as life:  # --out is ours before anything is prepared
-            job = _prepare(spec, state, mesh, life.existing)
+        with StoreLife(spec.location, processes, log) as life:  # --out is ours before anything is prepared
+            job = _prepare(spec, processes, life.existing)
             action = life.decide(job.identity, job.attrs["fingerprint"], spec.overwrite, _predated(job, life.existing))
             if action is Action.COMPLETE:
                 return _already_complete(job, log)
             _announce(job, log)
             store = life.open(action, lambda writer: _create(job, life.location, writer))
             pending, shares = _share(job, life, store, resume=action is Action.RESUME, log=log)
-            summary = _extract(job, store, pending, shares[mesh.data_rank], edit, stop, life.check_lock)
+            summary = _extract(job, store, pending, shares[processes.data_rank], edit, stop, life.check_lock)
             life.finish(summary.record())
-    if state.is_main_process:
+    if processes.is_main_process:
         log(summary.line())
     return summary
 
@@ -443,29 +443,29 @@ def _predated(job: _Job, existing: Mapping[str, Any] | None) -> dict[str, Any]:
     return {key: value for key, value in made.items() if key not in identity}
 
 
-def _check_tensor_parallel(spec: JobSpec, state: PartialState, mesh: Mesh) -> None:
+def _check_tensor_parallel(spec: JobSpec, processes: Processes) -> None:
     """What the model's name and config refuse under ``--tensor-parallel``, said before the data, the
     tokenizer and any other output. Every rank decides alike, then they meet: a rank that exited first
     had the launcher stop rank 0 (SIGTERM) before it printed the line, which then read "interrupted"."""
     refusal = None
     try:
-        check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, mesh.tensor_parallel)
+        check_tensor_parallel(spec.model, spec.weights, spec.checkpoint, processes.tensor_parallel)
     except ExtractError as e:
         refusal = e
-    state.wait_for_everyone()
+    processes.wait_for_everyone()
     if refusal is not None:
         raise refusal
 
 
 def _already_complete(job: _Job, log: Log) -> Summary:
-    if job.state.is_main_process:
+    if job.processes.is_main_process:
         log(f"extract: {job.spec.out} is already complete for this job; nothing to do")
     return Summary(0, 0.0, 0, job.plan.num_chunks, 0, 0)
 
 
 def _announce(job: _Job, log: Log) -> None:
     """Rank 0 says what the user should know before the work starts."""
-    if not job.state.is_main_process:
+    if not job.processes.is_main_process:
         return
     if job.data.dataset.notice is not None:
         log(f"extract: NOTE --data {job.spec.data}: {job.data.dataset.notice}")
@@ -496,16 +496,16 @@ def _share(
     job: _Job, life: StoreLife, store: FeatureStore, *, resume: bool, log: Log
 ) -> tuple[list[int], list[list[int]]]:
     """The chunks still to write and each rank's share of them, recorded as this run in the store."""
-    main, plan = job.state.is_main_process, job.plan
+    main, plan = job.processes.is_main_process, job.plan
     pending = store.pending_chunks()
     if main and resume and job.kind is not Kind.TOKENS:  # keys are written at creation: restore those of chunks to redo
         store.creation.rewrite_keys(pending, job.data.dataset.keys())
     if main and resume and job.text is not None and job.text.rewrite:  # surveyed again: the store's were damaged
         store.creation.rewrite(job.text.arrays(), _keys(job.data.dataset), job.text.rewrite)
-    shares = assign(pending, job.mesh.data_world)  # a tensor-parallel group is one data rank
-    hosts = gather_object([(socket.gethostname(), parameter_bytes(job.model.module))])
+    shares = assign(pending, job.processes.data_world)  # a tensor-parallel group is one data rank
+    hosts = job.processes.gather((socket.gethostname(), parameter_bytes(job.model.module)))
     life.begin_run(
-        [len(share) for share in shares], [host for host, _ in hosts], job.mesh.record(), [size for _, size in hosts]
+        [len(share) for share in shares], [host for host, _ in hosts], job.processes.record(), [size for _, size in hosts]
     )
     if main and resume:
         log(
@@ -527,10 +527,10 @@ def _plan_line(job: _Job, pending: list[int], held: Sequence[int] = ()) -> str:
     """What is about to happen, in one line: the layers as stored, the rows (samples, documents or
     tokens), the chunks, the processes and the store's size before compression; under tensor parallelism,
     the parameter bytes each rank of the first group holds (``held``, per process), which show the split."""
-    plan, processes = job.plan, job.state.num_processes
+    plan, processes = job.plan, job.processes.num_processes
     layers = ", ".join(f"{name} {tuple(shape)}" for name, shape in job.shapes.items())
     todo = f", {len(pending)} to write" if len(pending) != plan.num_chunks else ""
-    mesh = job.mesh
+    mesh = job.processes.mesh
     groups = f" as {mesh.data_world} x {mesh.tensor_parallel} (data x tensor parallel)" if mesh.tensor_parallel > 1 else ""
     if groups and held:
         groups += f", parameters per rank {' / '.join(f'{size / 2**20:.1f}' for size in held[: mesh.tensor_parallel])} MiB"
@@ -556,19 +556,22 @@ def _extract(
 ) -> Summary:
     """This rank's share through the loop, then the barrier; the summary of the whole run. ``held()``
     raises once the lock is lost."""
-    state, plan = job.state, job.plan
-    main = state.is_main_process
+    processes, plan = job.processes, job.plan
+    main = processes.is_main_process
     progress = JobProgress(store, plan, pending, enabled=main, own=share, unit=job.kind.unit)
     started = time.time()
     try:
-        (image_loop if job.text is None else text_loop)(job, store, share, edit, stop, progress.advance, held)
+        if job.text is None:
+            image_loop(_image_stage(job), store, share, edit, stop, progress.advance, held)
+        else:
+            text_loop(_text_stage(job, job.text), store, share, edit, stop, progress.advance, held)
     except ExtractError as e:  # met in this rank's own chunks: only this rank can say it
         e.alone = True
         raise
     finally:
         progress.close()
     try:
-        state.wait_for_everyone()
+        processes.wait_for_everyone()
     except Exception as e:  # noqa: BLE001 - gloo/NCCL: a peer left; this rank's chunks are written
         raise PeerStopped(e) from None
     return Summary(
@@ -583,3 +586,27 @@ def _extract(
         truncation=None if job.text is None else job.text.truncation(),
         compressor=job.spec.compressor or "none",
     )
+
+
+def _image_stage(job: _Job) -> ImageStage:
+    """What the image loop reads of the job."""
+    spec, model = job.spec, job.model
+    return ImageStage(
+        loaded=model.loaded, module=model.module, refs=model.refs, layers=model.layers, autocast=model.autocast,
+        memory_format=model.memory_format, device=job.processes.device, dataset=job.data.dataset,
+        gpu_decoder=job.data.gpu_decoder, plan=job.plan, shapes=job.shapes, dtype=getattr(torch, spec.dtype),
+        batch_size=spec.batch_size, num_workers=spec.num_workers, writer_threads=spec.writer_threads,
+        truncate=spec.truncate, skip_bad_images=spec.skip_bad_images,
+    )  # fmt: skip
+
+
+def _text_stage(job: _Job, text: TextJob) -> TextStage:
+    """What the text loop reads of the job."""
+    spec, model, dataset = job.spec, job.model, job.data.dataset
+    assert isinstance(model.loaded, TextModel) and isinstance(model.layers, TextLayerSetup)
+    assert isinstance(dataset, TextSource)
+    return TextStage(
+        text=text, dataset=dataset, loaded=model.loaded, module=model.module, refs=model.refs, layers=model.layers,
+        saes=model.saes, plan=job.plan, shapes=job.shapes, row_bytes=job.sample_bytes, processes=job.processes,
+        dtype=getattr(torch, spec.dtype), writer_threads=spec.writer_threads, truncate=spec.truncate,
+    )  # fmt: skip

@@ -5,12 +5,13 @@ bytes per document, and each tokenizes the documents of its own chunks window by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..capture.hooks import Capture, Edit
 from ..capture.setup import TextLayerSetup
@@ -18,14 +19,17 @@ from ..capture.staging import HostStaging
 from ..data.source import TextSource
 from ..data.tokenize import Corpus, TokenRows, survey
 from ..errors import ExtractError
-from ..models.hf_text import input_device
+from ..models.hf_text import TextModel, input_device
 from ..names import Kind, PackInfo
-from ..store.chunks import chunk_segments
+from ..names.layers import LayerRef
+from ..processes import Processes
+from ..store.chunks import Plan, chunk_segments
 from ..store.store import FeatureStore
 from ..store.text_arrays import TextArrays
 from ..store.writer import ChunkWriter
 from .interrupt import Interrupted, StopRequests
 from .resources import default_writer_threads, warn_infinite
+from .saes import JobSaes
 from .spec import JobSpec, batching
 from .text import ChunkColumns, TextBatch, TextBatches
 
@@ -96,9 +100,9 @@ class TextJob:
 
 def prepare_text(
     spec: JobSpec,
-    state: Any,
+    processes: Processes,
     existing: Mapping[str, Any] | None,
-    loaded: Any,
+    loaded: TextModel,
     layers: TextLayerSetup,
     dataset: TextSource,
     notes: list[str],
@@ -116,9 +120,9 @@ def prepare_text(
         stored, rewrite = _stored(spec, packing, notes)
         if stored is not None:
             return TextJob(stored, context, layers.per_token, budget, record, surveyed=False)
-        corpus = survey(dataset, loaded, context, state, packing)
+        corpus = survey(dataset, loaded, context, processes, packing)
         return TextJob(corpus, context, layers.per_token, budget, record, surveyed=True, rewrite=rewrite)
-    corpus = survey(dataset, loaded, context, state, packing)
+    corpus = survey(dataset, loaded, context, processes, packing)
     job = TextJob(corpus, context, layers.per_token, budget, record, surveyed=True)
     if job.num_tokens == 0:
         if packing is not None:
@@ -131,7 +135,7 @@ def prepare_text(
     return job
 
 
-def _context_length(spec: JobSpec, loaded: Any) -> int:
+def _context_length(spec: JobSpec, loaded: TextModel) -> int:
     """The tokens a document is cut to: ``--pack`` or ``--context-length``, within the model's positions;
     else the model's own length, or its positions up to ``MAX_DEFAULT_CONTEXT``."""
     positions = loaded.max_positions
@@ -148,7 +152,7 @@ def _context_length(spec: JobSpec, loaded: Any) -> int:
 
 
 def _tokenization(
-    spec: JobSpec, loaded: Any, dataset: TextSource, context: int, packing: PackInfo | None
+    spec: JobSpec, loaded: TextModel, dataset: TextSource, context: int, packing: PackInfo | None
 ) -> dict[str, Any]:
     """What decides the token ids (part of the job's identity): a resume with the same reuses the plan."""
     return {
@@ -189,7 +193,7 @@ def _stored_corpus(stored: TextArrays, packing: PackInfo | None) -> Corpus:
     return Corpus(np.diff(stored.offsets).astype(np.int32), stored.labels.astype(np.int32), stored.valid)
 
 
-def _packing(spec: JobSpec, model: Any, layers: TextLayerSetup) -> PackInfo | None:
+def _packing(spec: JobSpec, model: TextModel, layers: TextLayerSetup) -> PackInfo | None:
     """``--pack``'s contexts for this model's tokenizer, or None without it."""
     if spec.pack is None:
         return None
@@ -204,8 +208,33 @@ def _packing(spec: JobSpec, model: Any, layers: TextLayerSetup) -> PackInfo | No
     return PackInfo(spec.pack, bos, separator)
 
 
+@dataclass(frozen=True)
+class TextStage:
+    """What the text loop reads, and nothing more: the runner builds it from the job it prepared.
+
+    The corpus as planned (``text``, its documents read from ``dataset``), the model (``loaded``, its
+    ``module`` with the layers ``refs`` set up as ``layers``, and the ``saes`` that encode some of them),
+    the ``plan``, the ``shapes`` stored raw and a row's bytes in all, the job's ``processes`` (whether
+    this one writes; when its tensor-parallel group stops), and the options of the spec the loop acts on."""
+
+    text: TextJob
+    dataset: TextSource
+    loaded: TextModel
+    module: nn.Module
+    refs: Sequence[LayerRef]
+    layers: TextLayerSetup
+    saes: JobSaes | None
+    plan: Plan
+    shapes: Mapping[str, tuple[int, ...]]
+    row_bytes: int  # a row's bytes as stored, raw layers and codes: how TextBatches sizes its windows
+    processes: Processes
+    dtype: torch.dtype  # the storage dtype (--dtype)
+    writer_threads: int | None  # None: default_writer_threads(device)
+    truncate: bool  # the forward stops after the last requested layer
+
+
 def text_loop(
-    job: Any,
+    stage: TextStage,
     store: FeatureStore,
     chunks: list[int],
     edit: Mapping[str, Edit] | None,
@@ -218,34 +247,33 @@ def text_loop(
     token chunk's token rows. ``held()`` raises once the lock is lost. Under tensor parallelism every rank of
     a group runs the group's batches (the forward and the gathers are collectives over it), and only its
     writing rank stages and writes them (``forward_only`` on the others)."""
-    spec, text, layers = job.spec, job.text, job.model.layers
-    if not job.mesh.writes:
-        return forward_only(job, chunks, edit, stop, held)
-    device = input_device(job.model.module)  # the process's device, or a dispatched model's first
-    assert text is not None and isinstance(layers, TextLayerSetup)
-    batches = _batches(job, chunks)
+    text, layers = stage.text, stage.layers
+    if not stage.processes.writes:
+        return forward_only(stage, chunks, edit, stop, held)
+    device = input_device(stage.module)  # the process's device, or a dispatched model's first
+    batches = _batches(stage, chunks)
     most = max(text.tokens_per_batch, text.context_length)  # a batch's stored rows at most (a document's tokens)
-    saes = job.model.saes
+    saes = stage.saes
     encoders = {} if saes is None else saes.encoders
     staging = HostStaging(
-        job.shapes, most, getattr(torch, spec.dtype), device, encoders=encoders, stats=store.stats_axes(),
-        chunk_size=job.plan.chunk_size,
+        stage.shapes, most, stage.dtype, device, encoders=encoders, stats=store.stats_axes(),
+        chunk_size=stage.plan.chunk_size,
     )  # fmt: skip
-    threads = spec.writer_threads or default_writer_threads(device)
+    threads = stage.writer_threads or default_writer_threads(device)
     codes = None if saes is None else saes.codes()
-    writer = ChunkWriter(store, staging, job.plan, job.shapes, threads=threads, codes=codes)
+    writer = ChunkWriter(store, staging, stage.plan, stage.shapes, threads=threads, codes=codes)
     stop.defer()
     stopped = None  # the signal that stopped this rank, or a rank of its tensor-parallel group
     try:
         with (
             Capture(
-                job.model.module, job.model.refs, reduce=layers.reduce, stop=spec.truncate, edit=edit,
+                stage.module, stage.refs, reduce=layers.reduce, stop=stage.truncate, edit=edit,
                 sink=staging.stage, gather=layers.gather,
             ) as cap,
             torch.inference_mode(),
         ):  # fmt: skip
             for batch in batches:
-                stopped = job.mesh.agree_to_stop(stop.signum)
+                stopped = stage.processes.agree_to_stop(stop.signum)
                 if stopped is not None:
                     break
                 held()
@@ -260,8 +288,8 @@ def text_loop(
                 slot = staging.acquire(writer.check)
                 staging.rows = np.asarray(batch.rows, np.int64)  # a GPU computes each chunk's statistics
                 if encoders:  # each chunk's rows of the batch get statistics of their own
-                    staging.segments = list(chunk_segments(np.asarray(batch.rows, np.int64), job.plan.chunk_size))
-                job.model.loaded.call(cap.forward, inputs)
+                    staging.segments = list(chunk_segments(np.asarray(batch.rows, np.int64), stage.plan.chunk_size))
+                stage.loaded.call(cap.forward, inputs)
                 staging.seal(slot)
                 writer.submit_rows(slot, batch.rows)
                 forwarded(len(batch.rows))
@@ -275,39 +303,39 @@ def text_loop(
         raise Interrupted(stopped, writer.chunks_written)
 
 
-def _batches(job: Any, chunks: list[int]) -> TextBatches:
-    text = job.text
-    rows = TokenRows(job.data.dataset, job.model.loaded, text.context_length, text.corpus)
+def _batches(stage: TextStage, chunks: list[int]) -> TextBatches:
+    text = stage.text
+    rows = TokenRows(stage.dataset, stage.loaded, text.context_length, text.corpus)
     return TextBatches.for_job(
-        text.offsets, rows, job.plan, chunks, per_token=text.per_token,
-        tokens_per_batch=text.tokens_per_batch, pad_id=job.model.loaded.pad_id, row_bytes=job.sample_bytes,
+        text.offsets, rows, stage.plan, chunks, per_token=text.per_token,
+        tokens_per_batch=text.tokens_per_batch, pad_id=stage.loaded.pad_id, row_bytes=stage.row_bytes,
     )  # fmt: skip
 
 
 def forward_only(
-    job: Any, chunks: list[int], edit: Mapping[str, Edit] | None, stop: StopRequests, held: Callable[[], None]
+    stage: TextStage, chunks: list[int], edit: Mapping[str, Edit] | None, stop: StopRequests, held: Callable[[], None]
 ) -> None:
     """A tensor-parallel rank that does not write: the same batches and forwards as its group's writer,
     with the same captures (their gathers are collectives), nothing staged. It stops where its group stops."""
-    layers = job.model.layers
-    device = input_device(job.model.module)
+    layers = stage.layers
+    device = input_device(stage.module)
     stop.defer()
     with (
         Capture(
-            job.model.module, job.model.refs, reduce=layers.reduce, stop=job.spec.truncate, edit=edit,
+            stage.module, stage.refs, reduce=layers.reduce, stop=stage.truncate, edit=edit,
             sink=lambda name, value: None, gather=layers.gather,
         ) as cap,
         torch.inference_mode(),
     ):  # fmt: skip
-        for batch in _batches(job, chunks):
-            stopped = job.mesh.agree_to_stop(stop.signum)
+        for batch in _batches(stage, chunks):
+            stopped = stage.processes.agree_to_stop(stop.signum)
             if stopped is not None:
                 break
             held()
             if not isinstance(batch, TextBatch):  # written by the writer without a forward
                 continue
             inputs = upload(layers, batch, device)
-            job.model.loaded.call(cap.forward, inputs)
+            stage.loaded.call(cap.forward, inputs)
         else:
             stopped = stop.signum
     if stopped is not None:

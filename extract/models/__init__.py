@@ -20,6 +20,7 @@ from . import registry
 from .registry import ModelSource
 
 if TYPE_CHECKING:
+    from ..processes import TensorMeshes
     from .base import LoadedModel, ModelRequest, load_checkpoint, preprocessing_record
     from .hf_text import Encoded, TextModel
 
@@ -57,14 +58,14 @@ def build_model(
     load_weights: bool = True,
     precision: str | None = None,
     device_map: str | None = None,
-    tensor_parallel: Any = None,
+    tensor_parallel: TensorMeshes | None = None,
 ) -> LoadedModel:
     """The model in eval mode on the CPU, with its source's own preprocessing and a description of
     its weights. ``load_weights=False`` builds the architecture only and never downloads
     (``--list-layers``). ``precision`` (fp32 | bf16 | fp16) is the dtype text models load their
     weights in (None: fp32); image models stay in fp32 and ignore it. ``device_map`` ("auto") spreads a
     text model over the GPUs this process sees (everything on the CPU without one); other sources
-    refuse it. ``tensor_parallel`` (``hf_text.TensorMeshes``) splits a text model over this rank's group with
+    refuse it. ``tensor_parallel`` (``extract.processes.TensorMeshes``) splits a text model over this rank's group with
     transformers' own plan."""
     import torch
 

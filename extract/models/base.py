@@ -11,13 +11,17 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..errors import ExtractError
+from ..names import ModelKind
 from ..names.layers import LayerRef
+
+if TYPE_CHECKING:
+    from ..processes import TensorMeshes
 
 Transform = Callable[[Any], torch.Tensor]
 
@@ -36,7 +40,7 @@ class ModelRequest:
     hub_offline: bool = False  # the Hugging Face hub is not reachable: read its cache only (see hub_offline())
     precision: str | None = None  # fp32 | bf16 | fp16: the dtype text models load their weights in (None: fp32)
     device_map: str | None = None  # "auto": a text model spread over the process's GPUs (accelerate big-model dispatch)
-    tensor_parallel: Any = None  # hf_text.TensorMeshes: a text model split over its group with transformers' plan
+    tensor_parallel: TensorMeshes | None = None  # a text model split over its group with transformers' plan
 
     @property
     def random_init(self) -> bool:
@@ -55,10 +59,10 @@ class LoadedModel:
     own error where the forward that finds them failed (such a name is refused with it), and
     ``layout_hints`` map module names to the layout (``NHWC``...) of their outputs where the source
     knows it and the shapes cannot tell (see ``extract.capture.layout``). ``kind`` says what it
-    takes: ``"image"`` here, ``"text"`` for ``extract.models.hf_text.TextModel``.
+    takes: ``ModelKind.IMAGE`` here, ``ModelKind.TEXT`` for ``extract.models.hf_text.TextModel``.
     """
 
-    kind: ClassVar[str] = "image"
+    kind: ClassVar[ModelKind] = ModelKind.IMAGE
 
     model: nn.Module
     preprocess: Transform

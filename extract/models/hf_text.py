@@ -37,15 +37,19 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from ..errors import ExtractError
+from ..names import ModelKind
 from ..names.pooling import MODEL_POOL, TEXT_POOLS, ModelPooling
 from .base import LoadedModel, ModelRequest
 from .hf_hub import hidden_state_aliases, load_pretrained, model_file, transformer_lens_aliases
+
+if TYPE_CHECKING:
+    from ..processes import TensorMeshes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TEXT_PARTS = "model and tokenizer"  # what a save_pretrained directory of a text model holds, for messages
@@ -94,7 +98,7 @@ class TextModel(LoadedModel):
     max_positions: int | None = None  # the positions the model has (None: unbounded)
     sentence: SentenceConfig | None = None  # a sentence-transformers folder's own pipeline, where it is one
     sentence_missing: str = ""  # where modules.json was looked for, for --pool model's message
-    kind: ClassVar[str] = "text"
+    kind: ClassVar[ModelKind] = ModelKind.TEXT
     _backend: Any = field(default=None, init=False, repr=False, compare=False)
     _call_options: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     _record: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
@@ -457,18 +461,6 @@ KNOWN_PLANS = (
 # extraction runs large batches of top-8 models, where all_reduce's k x T rows per rank also take GPU
 # memory the activations need. See docs/large-models.md for the NCCL arithmetic.
 EXPERT_DISPATCH = "all_to_all"
-
-
-@dataclass(frozen=True)
-class TensorMeshes:
-    """The device meshes a tensor-parallel group loads its model over, named as transformers names them:
-    ``dense`` (pp, dp_replicate, fsdp, tp) and ``expert`` (pp, dp_replicate, efsdp, ep); ``size`` ranks per
-    group. ``dense["tp"]`` is this rank's group."""
-
-    dense: Any
-    expert: Any
-    size: int
-    experts: bool = False  # the model's experts are split over ``expert["ep"]`` (set by ``build``)
 
 
 def tensor_parallel_types(config_mapping: Any = None) -> list[str]:

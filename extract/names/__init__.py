@@ -1,4 +1,5 @@
-"""The vocabulary every stage shares, importing no stage: what a store's rows are (``Kind``), how a
+"""The vocabulary every stage shares, importing no stage: what a store's rows are (``Kind``), what a
+model takes (``ModelKind``), how a
 packed store's contexts were cut (``PackInfo``), layer names (``LayerRef``, ``matches_glob``,
 ``closest``, ``shape_text``: ``layers.py``), which axis holds the channels (``Layout``: ``layout.py``)
 the pool names (``POOL_CHOICES``, ``TEXT_POOLS``, ``MODEL_POOL``: here) and their reductions
@@ -29,6 +30,7 @@ __all__ = [
     "Kind",
     "LayerRef",
     "Layout",
+    "ModelKind",
     "PackInfo",
     "closest",
     "matches_glob",
@@ -42,6 +44,14 @@ COMPRESSORS = ("zstd", "blosc", "bitshuffle", "none")  # --compressor
 POOL_CHOICES = ("none", "avg", "max", "avg:K", "cls", "mean")  # --pool for an image (or any 4-D / 3-D) layer
 TEXT_POOLS = ("mean", "max", "first", "last")  # --pool for a text model's tokens, per document
 MODEL_POOL = "model"  # --pool model: the pooling the model's own files name (``pooling.ModelPooling``)
+
+
+class ModelKind(StrEnum):
+    """What a model takes: images, or text (``hf:`` text models). A ``StrEnum``: a model source's ``kind``
+    compares equal to the string it was before, and prints as it."""
+
+    IMAGE = "image"
+    TEXT = "text"
 
 
 class Kind(StrEnum):

@@ -18,10 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
-
-from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import (
     ExtractError,
@@ -41,6 +38,9 @@ from .locking import Lock, lock_for, lock_name
 from .paths import DAMAGED, check_out_path, check_out_url, check_writable, real_path, sweep_scratch
 from .schema import fingerprint as digest_of
 from .store import FeatureStore
+
+if TYPE_CHECKING:
+    from ..processes import Processes
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -81,20 +81,20 @@ def _computed_otherwise(out: Path | str, differs: list[str], made: Mapping[str, 
 
 
 class StoreLife:
-    """Use as ``with StoreLife(out, state, log) as life:``; the lock is held for the whole block.
+    """Use as ``with StoreLife(out, processes, log) as life:``; the lock is held for the whole block.
     ``life.location`` is the store's real place (``out`` with its links resolved): create and open it
     there; ``life.out`` names it in messages. ``out`` may be a URL on object storage (``s3://...``):
     then the lock is an object beside the store (``store/object_lock.py``) and creation writes the
     root metadata last (``store/remote.py``)."""
 
-    def __init__(self, out: str | os.PathLike[str] | Location, state: PartialState, log: Log) -> None:
+    def __init__(self, out: str | os.PathLike[str] | Location, processes: Processes, log: Log) -> None:
         given = locate(out)
         self.remote = given.remote
         self.given: Path | str = given.place
-        self.state, self.log = state, log
+        self.processes, self.log = processes, log
         self.location = given if given.path is None else Location(path=real_path(given.path))
         self.out: Path | str = self.location.place
-        self.main = state.is_main_process
+        self.main = processes.is_main_process
         self.lock: Lock | None = None
         self.read_only = False  # the lock could not be created: only "already complete" is possible
         self.existing: dict[str, Any] | None = None
@@ -117,10 +117,7 @@ class StoreLife:
                     raise
                 failure = storage_error(f"--out {self.out}", e)
                 outcome = (None, (type(failure), str(failure)))
-        if self.state.num_processes > 1:  # the type travels too: every rank raises what rank 0 raised
-            box = [outcome]
-            broadcast_object_list(box, from_process=0)
-            outcome = box[0]
+        outcome = self.processes.broadcast(outcome)  # the type travels too: every rank raises what rank 0 raised
         value, error = outcome
         if error is not None:
             raise failure or rebuilt(*error)
@@ -295,7 +292,7 @@ class StoreLife:
         ]
         record = {
             "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "world_size": self.state.num_processes,
+            "world_size": self.processes.num_processes,
             "chunks_per_rank": chunks_per_rank,
             "hostnames": hostnames,
             **({"mesh": dict(mesh)} if mesh is not None else {}),
