@@ -5,5 +5,3 @@ shares, the zarr group a job writes and reads (``store.py``, with its concerns b
 beside it, and verification. An open store is read, listed, sized and pruned through zarr's store API
 (``objects``); claiming ``--out`` and building the store beside it and renaming it into place are
 filesystem steps."""
-
-from . import checksum  # noqa: F401, E402 - zarr reads and writes crc32c through the faster codec from here on

@@ -17,9 +17,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import zarr
-from crc32c import crc32c
 from zarr.codecs import crc32c_
 from zarr.registry import register_codec
+
+try:
+    from crc32c import crc32c
+except ImportError:  # a declared dependency; without it zarr's own codec (google_crc32c) serves, the same bytes
+    crc32c = None
 
 if TYPE_CHECKING:
     from zarr.core.array_spec import ArraySpec
@@ -50,11 +54,20 @@ class Crc32cCodec(crc32c_.Crc32cCodec):
         return chunk_spec.prototype.buffer.from_array_like(encoded)
 
 
+def codec() -> crc32c_.Crc32cCodec:
+    """The ``crc32c`` codec a store's arrays are made with: this one, or zarr's without the package (the
+    same metadata and bytes)."""
+    return Crc32cCodec() if crc32c is not None else crc32c_.Crc32cCodec()
+
+
 QUALNAME = f"{Crc32cCodec.__module__}.{Crc32cCodec.__qualname__}"
 
 
 def install() -> None:
-    """Register this ``crc32c`` implementation and make zarr select it (idempotent)."""
+    """Register this ``crc32c`` implementation and make zarr select it (idempotent); without the ``crc32c``
+    package, zarr's own implementation stays selected."""
+    if crc32c is None:
+        return
     register_codec("crc32c", Crc32cCodec, qualname=QUALNAME)
     if zarr.config.get("codecs.crc32c", None) != QUALNAME:
         zarr.config.set({"codecs.crc32c": QUALNAME})

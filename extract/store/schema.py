@@ -19,7 +19,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 
 from ..errors import InvalidRequestError
 from ..names import COMPRESSORS
-from .checksum import Crc32cCodec
+from . import checksum
 
 FORMAT = "extract-features"
 # 2: every object has a crc32c checksum; 3: a done chunk's objects' checksums are recorded in ``digests``,
@@ -55,7 +55,7 @@ def codecs(compressor: str) -> list[Any] | None:
 
 def checked(compressors: list[Any] | None) -> list[Any]:
     """The checksum goes last: it covers the bytes as stored, after compression."""
-    return [*(compressors or []), Crc32cCodec()]
+    return [*(compressors or []), checksum.codec()]
 
 
 def fingerprint(identity: Mapping[str, Any]) -> str:

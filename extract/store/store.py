@@ -19,7 +19,14 @@ import numpy as np
 import zarr
 
 from ..names import Kind
-from . import dtypes, latents, objects, opening, stats
+from . import (
+    checksum,  # noqa: F401 - zarr reads and writes crc32c through the faster codec once a store is used
+    dtypes,
+    latents,
+    objects,
+    opening,
+    stats,
+)
 from .arrays import DIGESTS, METADATA, members, row_arrays, undecodable
 from .chunks import Plan
 from .fence import ROOT_METADATA, lost_lock, writer_of
