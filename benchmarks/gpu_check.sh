@@ -81,6 +81,13 @@ step() {
 
 : >"$OUTDIR/summary.txt"
 [ "$DRY" = 1 ] && echo "DRY RUN: each step only shown to start" | tee -a "$OUTDIR/summary.txt"
+# no CUDA: said at once, before the imports' check (a minute of imports); a torch that does not import goes on
+# to that check, which names it
+if [ "$DRY" = 0 ] && [ "$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null)" = 0 ]; then
+  echo "gpu_check: no CUDA device (torch.cuda.is_available() is False): nothing here would check the GPU;" \
+    "--dry-run shows that every step starts" | tee -a "$OUTDIR/summary.txt"
+  exit 1
+fi
 if ! "$PY" benchmarks/check_imports.py >/dev/null 2>&1 && compgen -G "$WHEELS/*.whl" >/dev/null; then
   echo "modules missing (benchmarks/check_imports.py): installing the wheels in $WHEELS" | tee -a "$OUTDIR/summary.txt"
   step install 60 "$PY" -m pip install --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl

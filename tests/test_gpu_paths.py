@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import patience
 from helpers.launches import free_port
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,7 +289,6 @@ def _gpu_check_test_lines() -> list[list[str]]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what the GPU check does without CUDA")
 def test_the_gpu_checks_test_steps_fail_without_cuda_and_say_why():
-    import subprocess
     import sys
 
     from helpers import ROOT
@@ -300,7 +300,7 @@ def test_the_gpu_checks_test_steps_fail_without_cuda_and_say_why():
     env = {k: v for k, v in os.environ.items() if k not in ("EXTRACT_REQUIRE_CUDA", "PYTEST_ADDOPTS")}
     env["PY"] = sys.executable
     for command in commands:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        done = patience.run(command, capture_output=True, text=True, quiet=120, cwd=ROOT, env=env)
         said = done.stdout + done.stderr
         assert done.returncode != 0, (command, said[-2000:])
         assert "torch.cuda.is_available() is False" in said and "unrecognized arguments" not in said, said[-2000:]
@@ -308,10 +308,9 @@ def test_the_gpu_checks_test_steps_fail_without_cuda_and_say_why():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what the GPU check does without CUDA")
 def test_the_gpu_check_fails_without_cuda(tmp_path):
-    import subprocess
 
     from helpers import ROOT
 
-    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)  # fmt: skip
+    done = patience.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path)], capture_output=True, text=True,
+                        quiet=30, cwd=ROOT)  # fmt: skip
     assert done.returncode == 1 and "no CUDA device" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
