@@ -48,7 +48,7 @@ def test_kept_memory_stops_the_page_faults_of_every_large_allocation():
 
 # A batch's activations past glibc's largest mmap threshold (32 MiB), made on a thread of their own as
 # the job's forward is: two 128 MiB blocks a round, freed and made again. Kept, the heap settles within
-# a few rounds (each lands a little higher until the heap holds it) and later rounds fault nothing; with
+# 4 to 8 rounds here (each lands a little higher until the heap holds it), and later rounds fault nothing; with
 # the threshold alone each is a fresh mapping, every round faulting its 64k pages in again.
 LARGE = textwrap.dedent(
     """
@@ -59,7 +59,7 @@ LARGE = textwrap.dedent(
 
     def forward():
         torch.set_num_threads(1)
-        for _ in range(10):
+        for _ in range(20):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             live = [torch.ones(32 * 2**20) for _ in range(2)]
             del live
@@ -68,7 +68,7 @@ LARGE = textwrap.dedent(
     thread = threading.Thread(target=forward)
     thread.start()
     thread.join()
-    print(applied, sum(counts[-4:]))
+    print(applied, sum(counts[-5:]))
     """
 )
 
@@ -82,7 +82,7 @@ def test_kept_memory_covers_blocks_past_the_mmap_threshold_on_other_threads():
     applied, last_rounds = subprocess.run(run, capture_output=True, text=True, env=environ, check=True).stdout.split()
     assert applied == "True"
     pages_per_round = 2 * 128 * 2**20 // 4096
-    assert int(last_rounds) < pages_per_round // 8  # not one round's faults in the last four
+    assert int(last_rounds) < pages_per_round // 8  # not one round's faults in the last five
 
 
 def test_a_user_who_set_malloc_variables_is_left_alone():
