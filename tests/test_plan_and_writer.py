@@ -259,3 +259,53 @@ def test_an_overwrite_sets_aside_every_late_write_of_a_holder_that_lost_the_lock
     assert late_writes == [0] and not new.done_flags().any()
     assert not (path / "features" / "a" / "c" / "0").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+
+
+def test_a_chunks_writes_all_end_before_its_first_error_is_raised():
+    """``write_chunk`` gathers a chunk's writes: a failed one (a full disk) must leave none of the others
+    still writing once the caller has the error, nor a coroutine left on the loop."""
+    import asyncio
+
+    from extract.store import objects
+
+    finished = []
+
+    async def slow(data: bytes) -> None:
+        await asyncio.sleep(0.2)
+        finished.append(data)
+
+    async def failing() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        objects.run(objects.all_of([failing(), slow(b"kept")]))
+    assert finished == [b"kept"]
+
+
+def test_the_stores_loop_serves_a_forked_child(tmp_path):
+    """``objects.run``'s loop lives in a thread of the parent; a forked child (a DataLoader worker) has no
+    such thread and must start its own instead of waiting forever on the parent's."""
+    from zarr.storage import LocalStore
+
+    from extract.store import objects
+
+    store = LocalStore(tmp_path)
+    objects.write(store, "a", b"parent")  # the parent's loop runs now
+    pid = os.fork()
+    if pid == 0:
+        try:
+            objects.write(store, "b", objects.read(store, "a") + b" and child")
+        finally:
+            os._exit(0)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if waited[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waited forever on its parent's loop")
+    assert waited[1] == 0
+    assert objects.read(store, "b") == b"parent and child"
