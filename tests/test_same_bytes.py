@@ -280,7 +280,7 @@ def test_a_damaged_packed_store_is_repaired_and_resumed_to_the_same_contexts(tok
     assert verify([str(store)]) == 0
     repaired, reference = open_features(store), open_features(original)
     for name in ("token_ids", "special", "doc", "doc_position"):
-        assert (getattr(repaired, name) == getattr(reference, name)).all(), name
+        assert (getattr(repaired.text, name) == getattr(reference.text, name)).all(), name
     for layer in reference.layers:
         assert close(repaired.load(layer), reference.load(layer)), layer
 
