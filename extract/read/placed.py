@@ -29,6 +29,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import StorePath, WrapperStore
 
+from ..store import checksum
 from ..store.arrays import DIGEST_BYTES
 
 # the recorded digest of chunk k of an array: None where there is none to compare with
@@ -106,14 +107,7 @@ class PlacedStore(WrapperStore[Store]):
 def intact(data: np.ndarray) -> bool:
     """Whether an object's bytes end with the crc32c of the rest (an object some chunk's write made). Only
     for an object whose suffix is not the recorded one: the common read never pays for it."""
-    if len(data) < DIGEST_BYTES:
-        return False
-    body = data[:-DIGEST_BYTES].tobytes()
-    try:
-        from crc32c import crc32c
-    except ImportError:  # zarr's own dependency, slower
-        from google_crc32c import value as crc32c
-    return crc32c(body) == suffix_of(data)
+    return len(data) >= DIGEST_BYTES and checksum.value(data[:-DIGEST_BYTES]) == suffix_of(data)
 
 
 def _first_index(name: str) -> int:

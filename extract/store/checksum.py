@@ -54,6 +54,15 @@ class Crc32cCodec(crc32c_.Crc32cCodec):
         return chunk_spec.prototype.buffer.from_array_like(encoded)
 
 
+def value(data: np.ndarray | bytes) -> int:
+    """The crc32c of ``data`` as the codec appends it: the ``crc32c`` package's, or zarr's own library's."""
+    if crc32c is not None:
+        return crc32c(data)
+    import google_crc32c
+
+    return google_crc32c.value(bytes(data))
+
+
 def codec() -> crc32c_.Crc32cCodec:
     """The ``crc32c`` codec a store's arrays are made with: this one, or zarr's without the package (the
     same metadata and bytes)."""
