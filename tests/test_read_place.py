@@ -8,13 +8,12 @@ reads the bytes zarr's own read gives, and a store from before digests reads as 
 from __future__ import annotations
 
 import shutil
-import uuid
 
 import numpy as np
 import pytest
 import torch
 import zarr
-from helpers.s3 import S3Prefix, upload
+from helpers.s3 import s3_per_module, upload  # noqa: F401 - s3_per_module: this module's s3
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import FeatureDataset, TokenStream, open_features
@@ -222,15 +221,6 @@ def test_a_done_chunk_without_its_digests_row_cannot_be_read(stores, tmp_path):
     np.testing.assert_array_equal(f.load(LAYER, slice(0, CHUNK), dtype=None),
                                   zarr.open_group(path, mode="r")[f"features/{LAYER}"][:CHUNK])  # fmt: skip
 
-
-@pytest.fixture(scope="module")
-def s3(s3_server):
-    with pytest.MonkeyPatch.context() as patch:
-        for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
-            patch.delenv(variable, raising=False)
-        for variable, value in s3_server.env().items():
-            patch.setenv(variable, value)
-        yield S3Prefix(server=s3_server, prefix=f"t-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.mark.parametrize("how", HOWS)

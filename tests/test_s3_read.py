@@ -5,14 +5,13 @@ and ``compare``."""
 
 import json
 import time
-import uuid
 
 import numpy as np
 import pytest
 import torch
 from helpers import TINY
 from helpers.forked import fork_run
-from helpers.s3 import S3Prefix, upload
+from helpers.s3 import s3_per_module, upload  # noqa: F401 - s3_per_module: this module's s3
 
 from extract import open_features
 from extract.cli.compare import main as compare_main
@@ -24,16 +23,6 @@ from extract.store.store import FeatureStore
 JOB = ["--model", f"{TINY}:dict_net", "--layers", "heads.conv", "fc", "--image-size", "32", "--num-workers", "0",
        "--dtype", "float32", "--chunk-size", "4", "--batch-size", "4", "--data", "synthetic:48"]  # fmt: skip
 
-
-@pytest.fixture(scope="module")
-def s3(s3_server):
-    """A prefix of the bucket for this module, this process's environment pointing obstore at the server."""
-    with pytest.MonkeyPatch.context() as patch:
-        for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
-            patch.delenv(variable, raising=False)
-        for variable, value in s3_server.env().items():
-            patch.setenv(variable, value)
-        yield S3Prefix(server=s3_server, prefix=f"t-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ the 2 reading threads, where the per-chunk read never has more than 2); a flippe
 ``StoreDamagedError`` naming its chunk that the per-chunk read gives."""
 
 import threading
-import uuid
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from helpers.s3 import S3Prefix, upload
+from helpers.s3 import s3_per_module, upload  # noqa: F401 - s3_per_module: this module's s3
 from helpers.text_models import real_documents, save_text_model, write_jsonl
 
 from extract import TokenStream, open_features
@@ -25,16 +24,6 @@ CHUNK = 48
 # (compressor, dtype) of each store; token stores default to no compressor
 KINDS = [("zstd", "float16"), ("none", "float16"), ("none", "bfloat16")]
 
-
-@pytest.fixture(scope="module")
-def s3(s3_server):
-    """A prefix of the bucket for this module, this process's environment pointing obstore at the server."""
-    with pytest.MonkeyPatch.context() as patch:
-        for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3"):
-            patch.delenv(variable, raising=False)
-        for variable, value in s3_server.env().items():
-            patch.setenv(variable, value)
-        yield S3Prefix(server=s3_server, prefix=f"t-{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="module")

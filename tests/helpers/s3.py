@@ -120,14 +120,27 @@ def s3_server() -> Iterator[S3Server]:
         server.stop()
 
 
+def _aimed(server: S3Server, patch: pytest.MonkeyPatch) -> S3Prefix:
+    """A fresh prefix of the bucket, with this process's environment (through ``patch``) pointing obstore at
+    ``server``."""
+    for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"):
+        patch.delenv(variable, raising=False)
+    for variable, value in server.env().items():
+        patch.setenv(variable, value)
+    return S3Prefix(server=server, prefix=f"t-{uuid.uuid4().hex[:12]}")
+
+
 @pytest.fixture
 def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Prefix:
     """A fresh prefix of the bucket, with this process's environment pointing obstore at the server."""
-    for variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"):
-        monkeypatch.delenv(variable, raising=False)
-    for variable, value in s3_server.env().items():
-        monkeypatch.setenv(variable, value)
-    return S3Prefix(server=s3_server, prefix=f"t-{uuid.uuid4().hex[:12]}")
+    return _aimed(s3_server, monkeypatch)
+
+
+@pytest.fixture(scope="module", name="s3")
+def s3_per_module(s3_server: S3Server) -> Iterator[S3Prefix]:
+    """``s3`` for a whole module (imported by a test file whose stores are made once and read by many tests)."""
+    with pytest.MonkeyPatch.context() as patch:
+        yield _aimed(s3_server, patch)
 
 
 @pytest.fixture
